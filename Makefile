@@ -1,0 +1,78 @@
+# Kimi-Linear gating suite. `make gate-a gate-b` is the main job; `make test` the tests.
+# Python: if the machine's python3 already has the stack (the H200 image: torch, triton, transformers,
+# pandas, pytest, ...) it is used as it is, with no install and no network. Otherwise a virtualenv in
+# .venv is made on first use (CPU torch 2.13.0 from the local wheel, then the project with test extras).
+SHELL := /bin/bash
+VENV ?= .venv
+SYS_READY := $(shell python3 -c "import torch, triton, safetensors, pandas, matplotlib, scipy, pytest, hypothesis, transformers, tiktoken" >/dev/null 2>&1 && echo yes)
+ifeq ($(SYS_READY),yes)
+  PY := python3
+  SETUP :=
+else
+  PY := $(VENV)/bin/python
+  SETUP := $(VENV)/.installed
+endif
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+export PYTHONUNBUFFERED := 1
+
+# Gate/benchmark knobs (empty = the CLI's own default: tiny on a CPU, 48b-a3b on a GPU that fits it).
+PRESET ?=
+MODEL ?=
+DTYPE ?=
+DEVICE ?=
+NEW_TOKENS ?=
+FLOOR_GIB ?=
+SOURCE ?= hf
+GOLDEN ?=
+SEED ?=
+KERNELS ?=
+GATE_FLAGS = $(if $(PRESET),--preset $(PRESET)) $(if $(MODEL),--model $(MODEL)) $(if $(DTYPE),--dtype $(DTYPE)) \
+  $(if $(DEVICE),--device $(DEVICE)) $(if $(NEW_TOKENS),--new-tokens $(NEW_TOKENS)) \
+  $(if $(FLOOR_GIB),--floor-gib $(FLOOR_GIB)) $(if $(SEED),--seed $(SEED)) $(if $(KERNELS),--kernels $(KERNELS))
+
+.PHONY: setup test test-gpu gate-a gate-b gate-memory golden bench bench-kernels decompose report nightly clean
+
+setup: $(SETUP)
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+test: $(SETUP)
+	$(PY) -m pytest tests -m "not gpu"
+
+test-gpu: $(SETUP)
+	$(PY) -m pytest tests -m gpu
+
+gate-a: $(SETUP)
+	$(PY) -m gates gate-a $(GATE_FLAGS)
+
+gate-b: $(SETUP)
+	$(PY) -m gates gate-b $(GATE_FLAGS) $(if $(GOLDEN),--golden $(GOLDEN))
+
+gate-memory: $(SETUP)
+	$(PY) -m gates gate-memory $(GATE_FLAGS)
+
+golden: $(SETUP)
+	$(PY) -m gates golden $(GATE_FLAGS) --source $(SOURCE) $(if $(GOLDEN),--golden $(GOLDEN))
+
+bench: $(SETUP)
+	$(PY) -m benchmarks.bench_e2e $(if $(PRESET),--preset $(PRESET))
+
+bench-kernels: $(SETUP)
+	$(PY) -m benchmarks.bench_kernels
+
+decompose: $(SETUP)
+	$(PY) -m benchmarks.decompose $(if $(PRESET),--preset $(PRESET))
+
+report: $(SETUP)
+	$(PY) -m reports.render
+
+nightly: $(SETUP)
+	$(PY) -m reports.nightly
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

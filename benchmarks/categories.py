@@ -1,0 +1,108 @@
+"""Kernel-name categories for the decode decomposition, and the time arithmetic over profiler events.
+
+`categorize(name)` maps a CUDA kernel name, as the PyTorch profiler reports it (demangled C++ names,
+Triton kernel names), to one category by the ordered table below: the first pattern that matches
+wins. The order is deliberate: project-specific names come before the generic library ones, because
+library names leak into them (fla's and flash-attention's kernels are cutlass templates, an expert
+kernel may be a "gemv", a Triton cast kernel is also "pointwise").
+
+`decompose(events, steps)` turns the GPU kernel events of `steps` decode steps into the figures a
+`decomposition` record carries: per-category shares of kernel time, the GPU idle fraction between
+kernels, and the time per step.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    # (category, pattern); searched case-insensitively, first match wins.
+    # Our Triton KDA kernels (kda_*) and fla's (chunk_kda*, fused_recurrent*, the gated delta rule
+    # they are built on); the short causal conv belongs to the KDA layer too.
+    ("kda", r"kda|fused_recurrent|gated_delta_rule|causal_conv1d"),
+    # MLA: our mla_* kernels, flash-attention / SDPA (fmha_cutlass* must not fall into gemm), softmax.
+    ("mla_attention", r"mla_|fmha|flash_fwd|flash_attn|softmax"),
+    # Router glue: our moe_route*, the sigmoid router, torch.topk (sbtopk/mbtopk) and the sorts behind it.
+    ("moe_routing", r"moe_route|sigmoid\w*rout|topk|top_k|sort"),
+    ("moe_experts", r"moe_expert|fused_moe"),
+    # cuBLAS / cutlass / nvjet matmuls, incl. cuBLAS's split-K reduction that belongs to its GEMM.
+    ("gemm", r"gemv|gemm|cutlass|xmma|nvjet|splitkreduce"),
+    ("norm", r"rms_?norm|layer_?norm|l2_?norm|group_?norm"),
+    # Explicit casts (aten::_to_copy, Triton `convert`) and PyTorch's dynamic-casting elementwise
+    # kernels (LoadWithCast/StoreWithCast): those exist only because operand dtypes differ, which is
+    # what the seed's "CastBf16" share measured. "broadcast" is not a cast.
+    ("cast", r"to_copy|(?<!broad)cast|convert"),
+    # Same-dtype device copies (contiguous(), index copies) and fills are memcpy/memset in kernel form.
+    ("memcpy", r"memcpy|memset|direct_copy|copy_kernel|fillfunctor"),
+    ("elementwise", r"elementwise|triton_poi|pointwise"),
+    ("reduction", r"reduce|reduction|triton_red|triton_per"),
+)
+OTHER = "other"
+CATEGORY_NAMES: tuple[str, ...] = tuple(c for c, _ in CATEGORIES) + (OTHER,)
+
+_COMPILED = tuple((cat, re.compile(pat, re.IGNORECASE)) for cat, pat in CATEGORIES)
+
+
+def categorize(name: str) -> str:
+    """The category of one kernel name; `other` when no pattern matches."""
+    if not isinstance(name, str):
+        raise TypeError(f"kernel name must be a str, got {type(name).__name__}: {name!r}")
+    for cat, pat in _COMPILED:
+        if pat.search(name):
+            return cat
+    return OTHER
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def decompose(events: Iterable[tuple[str, float, float]], steps: int) -> dict:
+    """Decompose GPU kernel events `(name, start_us, duration_us)` covering `steps` decode steps.
+
+    Returns `shares` {category: fraction of summed kernel time} over every category in CATEGORY_NAMES
+    (summing to 1; with concurrent streams summed kernel time exceeds busy time, and shares of the sum
+    keep the categories comparable), `idle_fraction` = (wall span - union of busy intervals) / wall
+    span (the host-bound gaps the seed measured at ~15%), `step_ms` = wall span / steps, plus the raw
+    `kernel_us`, `busy_us`, `wall_us`, `steps` and `n_kernels`.
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    per_cat = dict.fromkeys(CATEGORY_NAMES, 0.0)
+    intervals = []
+    for i, event in enumerate(events):
+        try:
+            name, start, dur = event
+        except (TypeError, ValueError):
+            raise ValueError(f"event {i} must be (name, start_us, duration_us), got {event!r}") from None
+        if not dur >= 0:
+            raise ValueError(f"event {i} ({name!r}) has a negative or NaN duration: {dur!r}")
+        per_cat[categorize(name)] += float(dur)
+        intervals.append((float(start), float(start) + float(dur)))
+    if not intervals:
+        raise ValueError("no kernel events to decompose")
+    kernel_us = sum(per_cat.values())
+    if kernel_us == 0:
+        raise ValueError("all kernel events have zero duration")
+    wall_us = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    busy_us = _union_length(intervals)
+    return {
+        "shares": {cat: t / kernel_us for cat, t in per_cat.items()},
+        "idle_fraction": (wall_us - busy_us) / wall_us,
+        "step_ms": wall_us / steps / 1000.0,
+        "kernel_us": kernel_us,
+        "busy_us": busy_us,
+        "wall_us": wall_us,
+        "steps": steps,
+        "n_kernels": len(intervals),
+    }

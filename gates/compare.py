@@ -1,0 +1,198 @@
+"""Token-by-token comparison of two greedy generations, with the diagnosis of each divergence.
+
+Score: positions counted one by one (the seed's k/N): step i of a prompt scores when both sides chose the
+same token there. Only the first divergence of a prompt is diagnosed; after it the two sides continue from
+different contexts, so later steps explain nothing about the cause.
+
+Diagnosis at the first divergent step, in the spirit of vLLM's `check_logprobs_close`: both tokens, both
+sides' top-k log-probabilities, and each side's margin -- how far its own choice beats the other side's
+token in its own distribution (a log-probability difference, which equals the logit difference). If the
+other token fell outside the kept top-k, the margin is at least (own choice - last kept), reported as a
+lower bound. The verdict is `near-tie` when each token is in the other side's top-5 and both margins are
+below epsilon, else `real`. A near-tie still fails a gate (the gates are token-exact); the verdict says
+whether the mismatch is rounding deciding between two almost equal logits or a wrong computation.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+NEAR_TIE_TOP = 5
+
+# Near-tie epsilon in nats, by the dtype the model under test computes in. Two correct paths differ by
+# summation order (chunked vs recurrent KDA, fused vs split attention) and, in bf16, by where activations
+# are rounded; epsilon must cover that noise and nothing more.
+# - bf16: the logits leave lm_head as bf16, whose spacing is 2^-4 = 0.0625 for |logit| in [8, 16), where
+#   top logits of a trained model sit; two logits closer than one spacing cannot be told apart.
+# - fp16: 10 mantissa bits, spacing 2^-7 in the same range.
+# - fp32: the paths' logits differ by ~1e-6 on tiny (measured, tests/test_gates.py) and grow with depth and
+#   width; 1e-4 leaves two orders of magnitude for the 27-layer model, still far below a real bug's effect.
+# - fp64: summation-order noise ~1e-13; 1e-9 is generous.
+NEAR_TIE_EPS = {torch.bfloat16: 2.0 ** -4, torch.float16: 2.0 ** -7, torch.float32: 1e-4, torch.float64: 1e-9}
+
+
+def near_tie_eps(dtype: torch.dtype) -> float:
+    if dtype not in NEAR_TIE_EPS:
+        raise ValueError(f"no near-tie epsilon for dtype {dtype}; known: {', '.join(map(str, NEAR_TIE_EPS))}")
+    return NEAR_TIE_EPS[dtype]
+
+
+@dataclass(frozen=True)
+class Side:
+    """One implementation's view of one step: its choice and its kept top-k (ids, log-probabilities)."""
+    name: str
+    token: int
+    topk_ids: list[int]
+    topk_logprobs: list[float]
+
+    def logprob(self, token: int) -> float | None:
+        return self.topk_logprobs[self.topk_ids.index(token)] if token in self.topk_ids else None
+
+
+@dataclass(frozen=True)
+class Margin:
+    nats: float
+    lower_bound: bool  # the other token was outside the kept top-k: the true margin is at least `nats`
+
+    def __str__(self) -> str:
+        return f"{'>= ' if self.lower_bound else ''}{self.nats:.3g} nats"
+
+
+def margin(side: Side, other_token: int) -> Margin:
+    """How far `side`'s choice beats `other_token` in `side`'s own distribution."""
+    own = side.logprob(side.token)
+    if own is None:
+        raise ValueError(f"{side.name}'s choice {side.token} is not in its own top-k {side.topk_ids}")
+    other = side.logprob(other_token)
+    if other is None:
+        return Margin(own - min(side.topk_logprobs), True)
+    return Margin(own - other, False)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    prompt: int
+    step: int
+    ref: Side
+    test: Side
+    ref_margin: Margin
+    test_margin: Margin
+    in_each_others_top: bool
+    eps: float
+    verdict: str  # 'near-tie' | 'real'
+
+    def explain(self) -> str:
+        r, t = self.ref, self.test
+        tops = (f"each in the other's top-{NEAR_TIE_TOP}" if self.in_each_others_top
+                else f"not each in the other's top-{NEAR_TIE_TOP}")
+        return (f"prompt {self.prompt} step {self.step}: {r.name} chose {r.token} (lp {r.logprob(r.token):.4g}), "
+                f"{t.name} chose {t.token} (lp {t.logprob(t.token):.4g}); margin {self.ref_margin} ({r.name}), "
+                f"{self.test_margin} ({t.name}), eps {self.eps:.3g}; {tops} -> {self.verdict}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["explanation"] = self.explain()
+        return d
+
+
+def diagnose(prompt: int, step: int, ref: Side, test: Side, eps: float) -> Divergence:
+    """Classify one divergent step: near-tie when each token is in the other's top-5 and both margins < eps."""
+    if ref.token == test.token:
+        raise ValueError(f"prompt {prompt} step {step}: both sides chose {ref.token}; nothing diverges")
+    if eps <= 0:
+        raise ValueError(f"near-tie epsilon must be > 0, got {eps}")
+    for s in (ref, test):
+        if len(s.topk_ids) < NEAR_TIE_TOP or len(s.topk_ids) != len(s.topk_logprobs):
+            raise ValueError(f"{s.name} keeps {len(s.topk_ids)} ids / {len(s.topk_logprobs)} logprobs per step; "
+                             f"a diagnosis needs at least the top-{NEAR_TIE_TOP} of both")
+    rm, tm = margin(ref, test.token), margin(test, ref.token)
+    inside = test.token in ref.topk_ids[:NEAR_TIE_TOP] and ref.token in test.topk_ids[:NEAR_TIE_TOP]
+    tie = inside and rm.nats < eps and tm.nats < eps
+    return Divergence(prompt, step, ref, test, rm, tm, inside, eps, "near-tie" if tie else "real")
+
+
+@dataclass
+class PromptResult:
+    prompt: int
+    k: int
+    n: int
+    divergence: Divergence | None
+    # per step, while both sides saw the same context (steps 0..first divergence): max |logit_ref - logit_test|
+    max_abs_logit_diff: list[float] = field(default_factory=list)
+
+    @property
+    def first_divergence(self) -> int | None:
+        return None if self.divergence is None else self.divergence.step
+
+    @property
+    def verdict(self) -> str:
+        return "match" if self.divergence is None else self.divergence.verdict
+
+
+def compare_prompt(prompt: int, ref, test, eps: float, ref_name: str, test_name: str) -> PromptResult:
+    """`ref`/`test`: generations (`.tokens`, `.topk_ids`, `.topk_logprobs`; `.logits` rows if kept)."""
+    n = len(ref.tokens)
+    if len(test.tokens) != n:
+        raise ValueError(f"prompt {prompt}: {ref_name} has {n} tokens, {test_name} {len(test.tokens)}")
+    same = [a == b for a, b in zip(ref.tokens, test.tokens)]
+    first = same.index(False) if not all(same) else None
+    div = None
+    if first is not None:
+        side = lambda name, g: Side(name, g.tokens[first], list(g.topk_ids[first]), list(g.topk_logprobs[first]))
+        div = diagnose(prompt, first, side(ref_name, ref), side(test_name, test), eps)
+    diffs = []
+    if getattr(ref, "logits", None) and getattr(test, "logits", None):
+        last = n - 1 if first is None else first
+        diffs = [float((ref.logits[i].double() - test.logits[i].double()).abs().max()) for i in range(last + 1)]
+    return PromptResult(prompt, sum(same), n, div, diffs)
+
+
+@dataclass
+class GateResult:
+    gate: str        # 'Gate A' | 'Gate B'
+    ref_name: str
+    test_name: str
+    prompts: list[PromptResult]
+
+    @property
+    def score(self) -> int:
+        return sum(p.k for p in self.prompts)
+
+    @property
+    def total(self) -> int:
+        return sum(p.n for p in self.prompts)
+
+    @property
+    def passed(self) -> bool:
+        return self.score == self.total
+
+    @property
+    def diagnoses(self) -> list[Divergence]:
+        return [p.divergence for p in self.prompts if p.divergence is not None]
+
+    def table(self) -> str:
+        rows = [f"{'prompt':>6}  {'k/n':>7}  {'first div':>9}  {'max|dlogit|':>11}  verdict"]
+        for p in self.prompts:
+            dl = f"{max(p.max_abs_logit_diff):.2e}" if p.max_abs_logit_diff else "-"
+            fd = "-" if p.first_divergence is None else str(p.first_divergence)
+            rows.append(f"{p.prompt:>6}  {f'{p.k}/{p.n}':>7}  {fd:>9}  {dl:>11}  {p.verdict}")
+        rows += [d.explain() for d in self.diagnoses]
+        return "\n".join(rows)
+
+    def summary(self) -> str:
+        counts = {}
+        for d in self.diagnoses:
+            counts[d.verdict] = counts.get(d.verdict, 0) + 1
+        why = "" if self.passed else " (" + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + ")"
+        return (f"{self.gate} {'PASS' if self.passed else 'FAIL'} {self.score}/{self.total}: "
+                f"{self.test_name} vs {self.ref_name}{why}")
+
+    def results(self) -> dict:
+        """The record's `results` fields shared by both gates."""
+        return {
+            "score": self.score, "total": self.total, "passed": self.passed,
+            "per_prompt": [{"prompt": p.prompt, "k": p.k, "n": p.n, "first_divergence": p.first_divergence,
+                            "verdict": p.verdict} for p in self.prompts],
+            "diagnoses": [d.to_dict() for d in self.diagnoses],
+        }

@@ -1,0 +1,77 @@
+"""The prompt battery of Gates A and B: eight English prompts, 16 new tokens each = 128 scored positions.
+
+The seed scored 8 prompts x 16 tokens but does not give its prompt texts; these eight are this project's
+own, chosen to differ in kind so that a state-carry bug has many ways to show: code, prose, a list, a
+question, numbers, a dialogue, multilingual text (Han runs, accents, Cyrillic: other pre-tokenizer paths
+and multi-byte UTF-8), and repetition (a long self-similar context stresses the recurrent state).
+
+Text becomes ids one of two ways:
+- a checkpoint directory with a `tiktoken.model`: Kimi's tokenizer (`gates.tokenizer`), BOS first;
+- otherwise (synthetic presets, or a checkpoint written without a tokenizer): `synthetic_ids`, a fixed
+  byte mapping, BOS first. Synthetic weights have no vocabulary to respect, so the mapping only has to be
+  deterministic, stay inside the ordinary ids and spread the prompt over the embedding table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from model.config import KimiConfig
+
+from .tokenizer import TOKENIZER_FILE, KimiTokenizer
+
+PROMPTS: tuple[str, ...] = (
+    # code
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return",
+    # prose
+    "The lighthouse keeper climbed the spiral stairs at dusk, as he had every evening for thirty years, and",
+    # a list
+    "Things to pack for a week of hiking:\n1. tent\n2. sleeping bag\n3. water filter\n4.",
+    # a question
+    "Why does the sky look blue during the day but red and orange at sunset? The short answer is",
+    # numbers
+    "Prime numbers below one hundred: 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41,",
+    # a dialogue
+    "Alice: Did you lock the back door?\nBob: I thought you did.\nAlice: Then who has the key?\nBob:",
+    # multilingual text
+    "English: good morning. Français : bonjour. 中文：早上好。 Русский: доброе утро. Español:",
+    # repetition
+    "one two three one two three one two three one two three one two three one two three one two",
+)
+
+DEFAULT_NEW_TOKENS = 16
+
+# Synthetic mapping: id = (byte * MULTIPLIER + SALT) % n_ordinary. 131 is prime, so the map is one-to-one on
+# the 256 byte values whenever n_ordinary >= 256 and is not a multiple of 131 (tiny: 500; 48b-a3b: 163584).
+MULTIPLIER, SALT = 131, 7
+
+
+def n_ordinary(cfg: KimiConfig) -> int:
+    """Ids below the first special token (BOS/EOS/pad sit at the top of the vocabulary in both presets)."""
+    return min(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+
+
+def synthetic_ids(text: str, cfg: KimiConfig) -> list[int]:
+    """BOS, then one id per UTF-8 byte of `text`: (byte * 131 + 7) % n_ordinary(cfg). Position-independent."""
+    if not isinstance(text, str):
+        raise TypeError(f"prompt text must be a str, got {type(text).__name__}")
+    if not text:
+        raise ValueError("empty prompt text: nothing to map to ids")
+    n = n_ordinary(cfg)
+    if n < 2:
+        raise ValueError(f"config leaves {n} ordinary ids below the special tokens; the mapping needs at least 2")
+    return [cfg.bos_token_id] + [(b * MULTIPLIER + SALT) % n for b in text.encode("utf-8")]
+
+
+@dataclass(frozen=True)
+class Battery:
+    ids: list[list[int]]
+    source: str  # 'synthetic-bytes' or 'tiktoken:<path>'
+
+
+def battery(cfg: KimiConfig, model_dir: str | Path | None = None, prompts=PROMPTS) -> Battery:
+    """The prompts as ids for this model: with the checkpoint's tokenizer when it has one."""
+    if model_dir is not None and (Path(model_dir) / TOKENIZER_FILE).is_file():
+        tok = KimiTokenizer(Path(model_dir) / TOKENIZER_FILE, cfg.vocab_size, cfg.bos_token_id)
+        return Battery([tok.encode(p) for p in prompts], f"tiktoken:{tok.path}")
+    return Battery([synthetic_ids(p, cfg) for p in prompts], "synthetic-bytes")

@@ -1,0 +1,364 @@
+"""Original-format Kimi-Linear checkpoints: the tensor list, the mapping to our internal names, load, save.
+
+Two naming schemes exist (SPEC.md §1, TEAM_BRIEF.md):
+- ORIGINAL, what the published checkpoint holds: `block_sparse_moe.` for MoE layers, one tensor per expert
+  (`experts.E.w1/w2/w3.weight`), separate `q_conv1d/k_conv1d/v_conv1d`, `f_a_proj/f_b_proj/A_log/dt_bias`
+  directly under `self_attn.`.
+- INTERNAL (= HF transformers' names after its conversion): `mlp.`, expert stacks `experts.gate_up_proj`
+  [E, 2I, D] (w1 rows, then w3 rows) and `experts.down_proj` [E, D, I], one `conv1d.weight` [3*H*d, 1, W]
+  (q|k|v), `forget_gate.*`.
+
+Every original tensor is one `Slot`: a contiguous block of exactly one internal tensor (the whole tensor, a
+q/k/v third of the stacked conv, or one expert's w1/w3 half / w2 of a stack). Both directions of the
+mapping, the loader and the synthetic weights are driven by that one table, so they cannot disagree.
+
+bf16 throughout, except `A_log`, `dt_bias` and `e_score_correction_bias`, which the original keeps in fp32
+(they feed exp/softplus and the routing comparison, where bf16 rounding would move the result).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import ConfigError, KimiConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or state dict that does not hold a Kimi-Linear model; the message names what."""
+
+
+FP32_KEPT = ("A_log", "dt_bias", "e_score_correction_bias")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # HF's default shard size; the original has 20 shards of ~4.6 GiB
+
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one original-format tensor lives in the internal state dict."""
+    internal: str              # name of the internal tensor
+    index: tuple               # basic index of the block inside it; () = the whole tensor
+    shape: tuple[int, ...]     # shape of the original tensor
+    dtype: torch.dtype         # dtype in the original checkpoint
+
+
+def _is_fp32_kept(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in FP32_KEPT
+
+
+def layout(cfg: KimiConfig) -> tuple[dict[str, Slot], dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """(original name -> Slot, internal name -> (shape, original dtype)), both in checkpoint order."""
+    slots: dict[str, Slot] = {}
+    internal: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def whole(orig: str, shape: tuple[int, ...], name: str | None = None) -> None:
+        dt = torch.float32 if _is_fp32_kept(orig) else torch.bfloat16
+        name = name or orig
+        slots[orig] = Slot(name, (), shape, dt)
+        internal[name] = (shape, dt)
+
+    def block(orig: str, shape: tuple[int, ...], name: str, index: tuple, stack_shape: tuple[int, ...]) -> None:
+        slots[orig] = Slot(name, index, shape, torch.bfloat16)
+        internal.setdefault(name, (stack_shape, torch.bfloat16))
+
+    D, W = cfg.hidden_size, cfg.conv_kernel_size
+    H, d, Hd = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_dim
+    nh, r, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    E, Im = cfg.num_experts, cfg.moe_intermediate_size
+
+    whole("model.embed_tokens.weight", (cfg.vocab_size, D))
+    for i, kind in enumerate(cfg.layer_kinds):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        whole(p + "input_layernorm.weight", (D,))
+        if kind == "kda":
+            for x in "qkv":
+                whole(a + f"{x}_proj.weight", (Hd, D))
+            for j, x in enumerate("qkv"):
+                block(a + f"{x}_conv1d.weight", (Hd, 1, W), a + "conv1d.weight", (slice(j * Hd, (j + 1) * Hd),), (3 * Hd, 1, W))
+            whole(a + "f_a_proj.weight", (d, D), a + "forget_gate.f_a_proj.weight")
+            whole(a + "f_b_proj.weight", (Hd, d), a + "forget_gate.f_b_proj.weight")
+            whole(a + "g_a_proj.weight", (d, D))
+            whole(a + "g_b_proj.weight", (Hd, d))
+            whole(a + "b_proj.weight", (H, D))
+            whole(a + "A_log", (1, 1, H, 1), a + "forget_gate.A_log")
+            whole(a + "dt_bias", (Hd,), a + "forget_gate.dt_bias")
+            whole(a + "o_norm.weight", (d,))
+            whole(a + "o_proj.weight", (D, Hd))
+        else:
+            whole(a + "q_proj.weight", (nh * cfg.qk_head_dim, D))
+            whole(a + "kv_a_proj_with_mqa.weight", (r + rope, D))
+            whole(a + "kv_a_layernorm.weight", (r,))
+            whole(a + "kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r))
+            whole(a + "o_proj.weight", (D, nh * cfg.v_head_dim))
+        whole(p + "post_attention_layernorm.weight", (D,))
+        if not cfg.is_moe(i):
+            I = cfg.intermediate_size
+            whole(p + "mlp.gate_proj.weight", (I, D))
+            whole(p + "mlp.up_proj.weight", (I, D))
+            whole(p + "mlp.down_proj.weight", (D, I))
+            continue
+        o, m = p + "block_sparse_moe.", p + "mlp."
+        whole(o + "gate.weight", (E, D), m + "gate.weight")
+        whole(o + "gate.e_score_correction_bias", (E,), m + "gate.e_score_correction_bias")
+        gate_up, down = m + "experts.gate_up_proj", m + "experts.down_proj"
+        for e in range(E):
+            x = o + f"experts.{e}."
+            block(x + "w1.weight", (Im, D), gate_up, (e, slice(0, Im)), (E, 2 * Im, D))
+            block(x + "w2.weight", (D, Im), down, (e,), (E, D, Im))
+            block(x + "w3.weight", (Im, D), gate_up, (e, slice(Im, 2 * Im)), (E, 2 * Im, D))
+        if cfg.num_shared_experts:
+            Is = Im * cfg.num_shared_experts
+            for w, shape in (("gate_proj", (Is, D)), ("up_proj", (Is, D)), ("down_proj", (D, Is))):
+                whole(o + f"shared_experts.{w}.weight", shape, m + f"shared_experts.{w}.weight")
+    whole("model.norm.weight", (D,))
+    whole("lm_head.weight", (cfg.vocab_size, D))
+    return slots, internal
+
+
+def original_names(cfg: KimiConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of the original checkpoint format: name -> (shape, dtype), in checkpoint order."""
+    return {n: (s.shape, s.dtype) for n, s in layout(cfg)[0].items()}
+
+
+def internal_names(cfg: KimiConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of our internal (= HF) state dict: name -> (shape, dtype as stored in the original)."""
+    return layout(cfg)[1]
+
+
+def storage_dtype(original_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is held in when the model runs in `dtype`: fp32-kept tensors stay fp32."""
+    return torch.float32 if original_dtype == torch.float32 else dtype
+
+
+def _listing(names, limit: int = 10) -> str:
+    names = list(names)
+    head = ", ".join(names[:limit])
+    return head if len(names) <= limit else f"{head} (and {len(names) - limit:,} more)"
+
+
+def _check_names(got, expected, what: str) -> None:
+    got, expected = set(got), list(expected)
+    missing = [n for n in expected if n not in got]
+    extra = sorted(got - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing):,} tensors missing: {_listing(missing)}")
+    if extra:
+        problems.append(f"{len(extra):,} unexpected tensors: {_listing(extra)}")
+    if problems:
+        raise CheckpointError(f"{what}: " + "; ".join(problems))
+
+
+def _check_shapes(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple], what: str) -> None:
+    bad = [f"{n}: expected shape {list(shapes[n][0])}, got {list(t.shape)}"
+           for n, t in tensors.items() if tuple(t.shape) != tuple(shapes[n][0])]
+    if bad:
+        raise CheckpointError(f"{what}: {len(bad)} tensors with the wrong shape: " + "; ".join(bad[:10]))
+
+
+def to_internal(original: Mapping[str, torch.Tensor], cfg: KimiConfig) -> dict[str, torch.Tensor]:
+    """Original-format tensors -> internal state dict. Renamed tensors are passed through (no copy); the
+    stacked conv and expert tensors are new buffers (dtype/device of their first part) filled block by block."""
+    slots, internal = layout(cfg)
+    _check_names(original, slots, "to_internal")
+    _check_shapes(original, {n: (s.shape, s.dtype) for n, s in slots.items()}, "to_internal")
+    out: dict[str, torch.Tensor] = {}
+    for name, s in slots.items():
+        t = original[name]
+        if s.index == ():
+            out[s.internal] = t
+            continue
+        if s.internal not in out:
+            out[s.internal] = torch.empty(internal[s.internal][0], dtype=t.dtype, device=t.device)
+        out[s.internal][s.index].copy_(t)
+    return {n: out[n] for n in internal}
+
+
+def to_original(internal: Mapping[str, torch.Tensor], cfg: KimiConfig) -> dict[str, torch.Tensor]:
+    """Internal state dict -> original-format tensors; every one is the internal tensor or a view into it."""
+    slots, shapes = layout(cfg)
+    _check_names(internal, shapes, "to_original")
+    _check_shapes(internal, shapes, "to_original")
+    return {n: internal[s.internal] if s.index == () else internal[s.internal][s.index] for n, s in slots.items()}
+
+
+# ---- loading -----------------------------------------------------------------------------------------------
+
+def _read_config(path: Path) -> KimiConfig:
+    try:
+        return KimiConfig.from_json(path / "config.json")
+    except ConfigError as e:
+        msg = str(e)
+        raise ConfigError(msg if str(path) in msg else f"{path / 'config.json'}: {msg}") from e
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    """tensor name -> shard file name, from the index, or from the single model.safetensors."""
+    index, single = path / INDEX_FILE, path / SINGLE_FILE
+    if index.is_file() and single.is_file():
+        raise CheckpointError(f"{path} holds both {INDEX_FILE} and {SINGLE_FILE}; which one is the checkpoint is ambiguous")
+    if single.is_file():
+        with _open(single, "cpu") as f:
+            return {n: SINGLE_FILE for n in f.keys()}
+    if not index.is_file():
+        raise CheckpointError(f"{path} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+    try:
+        wm = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{index} is not a JSON object with a weight_map: {e}") from e
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names (strings)")
+    outside = sorted({v for v in wm.values() if Path(v).name != v or v in ("", ".", "..")})
+    if outside:
+        raise CheckpointError(f"{index} names shards outside the checkpoint directory: {_listing(outside)}")
+    return wm
+
+
+def _open(file: Path, device: str):
+    try:
+        return safe_open(str(file), framework="pt", device=device)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read shard {file.name} in {file.parent}: {e}") from e
+
+
+def _check_shards(path: Path, by_shard: dict[str, list[str]], slots: dict[str, Slot], indexed: bool) -> None:
+    """Every shard exists, holds exactly the tensors the index gives it, each with the expected shape and dtype.
+    Reads headers only, so a bad checkpoint fails before any weight is loaded."""
+    absent = [s for s in by_shard if not (path / s).is_file()]
+    if absent:
+        raise CheckpointError("missing shard file(s) in {}: {}".format(path, "; ".join(
+            f"{s} (should hold {len(by_shard[s]):,} tensors: {_listing(by_shard[s])})" for s in absent)))
+    bad = []
+    for shard, names in by_shard.items():
+        with _open(path / shard, "cpu") as f:
+            held = set(f.keys())
+            lacking = [n for n in names if n not in held]
+            if lacking:
+                raise CheckpointError(f"{INDEX_FILE} maps {len(lacking):,} tensors to {shard}, which does not hold them: "
+                                      f"{_listing(lacking)}")
+            unlisted = sorted(held - set(names))
+            if indexed and unlisted:
+                raise CheckpointError(f"{shard} holds {len(unlisted):,} tensors that {INDEX_FILE} does not list: "
+                                      f"{_listing(unlisted)}")
+            for n in names:
+                sl, want = f.get_slice(n), slots[n]
+                shape, dt = tuple(sl.get_shape()), sl.get_dtype()
+                if shape != want.shape:
+                    bad.append(f"{n} ({shard}): expected shape {list(want.shape)}, got {list(shape)}")
+                if dt != _ST_NAMES[want.dtype]:
+                    bad.append(f"{n} ({shard}): expected dtype {_ST_NAMES[want.dtype]}, got {dt}")
+    if bad:
+        raise CheckpointError(f"{len(bad)} tensors with the wrong shape or dtype in {path}: {'; '.join(bad[:10])}"
+                              + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else ""))
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.bfloat16) -> tuple[KimiConfig, dict[str, torch.Tensor]]:
+    """Load an original-format checkpoint directory -> (config, internal state dict on `device`).
+
+    Reads only data: `config.json` (through `KimiConfig.from_json`; an `auto_map` entry is ignored and no .py
+    file of the directory is ever imported or executed), `model.safetensors.index.json` or a single
+    `model.safetensors`, and the shards through memory-mapped `safe_open`. Before any weight is read, every
+    name, shape and dtype is held against `original_names(cfg)`; after loading, every tensor must be finite.
+    Anything wrong raises `CheckpointError` (a bad config.json: `ConfigError`) naming the file and tensors.
+
+    Floats are cast to `dtype`, except A_log, dt_bias and e_score_correction_bias, which stay fp32. Tensors
+    go to `device` one at a time (no host copy of the whole model); expert stacks and the q|k|v conv are
+    preallocated on `device` and filled block by block.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+    device = torch.device(device)
+    cfg = _read_config(path)
+    slots, internal_shapes = layout(cfg)
+    weight_map = _weight_map(path)
+    indexed = not (path / SINGLE_FILE).is_file()
+    _check_names(weight_map, slots, f"checkpoint {path}")
+    by_shard: dict[str, list[str]] = {}
+    for n in slots:
+        by_shard.setdefault(weight_map[n], []).append(n)
+    by_shard = dict(sorted(by_shard.items()))
+    _check_shards(path, by_shard, slots, indexed)
+
+    stacked = {s.internal for s in slots.values() if s.index != ()}
+    out = {n: torch.empty(shape, dtype=storage_dtype(dt, dtype), device=device)
+           for n, (shape, dt) in internal_shapes.items() if n in stacked}
+    report = sum(torch.Size(s.shape).numel() * s.dtype.itemsize for s in slots.values()) >= 2**30
+    loaded, finite, next_report, t0 = [], [], 0.1, time.perf_counter()
+    for shard, names in by_shard.items():
+        with _open(path / shard, str(device)) as f:
+            for n in names:
+                s = slots[n]
+                t = f.get_tensor(n).to(storage_dtype(s.dtype, dtype))
+                loaded.append(n)
+                finite.append(torch.isfinite(t).all())  # no host sync per tensor: all are read back at the end
+                if s.index == ():
+                    out[s.internal] = t
+                else:
+                    out[s.internal][s.index].copy_(t)
+                if report and len(loaded) >= next_report * len(slots):
+                    print(f"load_checkpoint {path.name}: {len(loaded) / len(slots):.0%} ({len(loaded):,}/{len(slots):,} "
+                          f"tensors) {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+                    next_report += 0.1
+    ok = torch.stack(finite).cpu().tolist()
+    bad = [f"{n} ({weight_map[n]})" for n, good in zip(loaded, ok) if not good]
+    if bad:
+        raise CheckpointError(f"{len(bad):,} tensors hold NaN or inf in {path}: {_listing(bad)}")
+    return cfg, {n: out[n] for n in internal_shapes}
+
+
+# ---- saving ------------------------------------------------------------------------------------------------
+
+def save_checkpoint(internal: Mapping[str, torch.Tensor], cfg: KimiConfig, path: str | Path,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write an original-format checkpoint: config.json, `model-0000k-of-0000n.safetensors`, and
+    `model.safetensors.index.json` (metadata.total_size + weight_map) -- the layout HF's
+    `KimiLinearForCausalLM.from_pretrained` reads. Tensors are written in the format's dtypes (bf16; fp32 for
+    A_log, dt_bias, e_score_correction_bias), so fp32 weights are rounded to bf16. Shards are filled greedily
+    in checkpoint order; output is byte-for-byte deterministic. Refuses a directory that already holds a
+    checkpoint (stale shards would be mixed in). Returns the directory."""
+    path = Path(path)
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    original = to_original(internal, cfg)
+    shapes = original_names(cfg)
+    if path.exists():
+        old = sorted(p.name for p in path.iterdir() if p.name in ("config.json", INDEX_FILE) or p.suffix == ".safetensors")
+        if old:
+            raise CheckpointError(f"refusing to write into {path}: it already holds {_listing(old)}; use an empty directory")
+    path.mkdir(parents=True, exist_ok=True)
+
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n, (shape, dt) in shapes.items():
+        nbytes = torch.Size(shape).numel() * dt.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes
+    files = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    for file, names in zip(files, shards):
+        # copy=True: views of one expert stack share storage, which safetensors refuses to write
+        tensors = {n: original[n].detach().to("cpu", shapes[n][1], copy=True).contiguous() for n in names}
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(torch.Size(s).numel() * dt.itemsize for s, dt in shapes.values())},
+             "weight_map": {n: file for file, names in zip(files, shards) for n in names}}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    return path

@@ -1,0 +1,219 @@
+"""Kimi-Linear's blocks in plain PyTorch: RMSNorm, KDA, NoPE MLA, MoE, dense MLP.
+
+Parameter names match HF transformers' KimiLinearForCausalLM, so one state dict serves both (the HF peer
+shares our tensors instead of copying 91 GiB). The math is SPEC.md §1. Each attention block has two entry
+points: `forward(x, cache_layer, start)` for a span of tokens (the whole sequence when recomputing, the
+prompt when prefilling) and `decode(x, cache_layer, pos)` for one token a step from carried state.
+Where a fast kernel exists the choice is made in `model.ops`, never here.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .cache import KDAState, MLACache
+from .config import KimiConfig
+from .norms import rmsnorm
+
+
+class RMSNorm(nn.Module):
+    """Normalise in fp32, cast back to the input dtype, then scale by `weight` (not 1 + weight)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(x, self.weight, self.eps)
+
+
+class ForgetGate(nn.Module):
+    def __init__(self, cfg: KimiConfig):
+        super().__init__()
+        d, n = cfg.kda_head_dim, cfg.kda_num_heads
+        self.f_a_proj = nn.Linear(cfg.hidden_size, d, bias=False)
+        self.f_b_proj = nn.Linear(d, n * d, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(n * d))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, n, 1))
+
+    def pre_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """f_b(f_a(x)): the input of the softplus gate, before dt_bias."""
+        return self.f_b_proj(self.f_a_proj(x))
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: KimiConfig):
+        super().__init__()
+        D, d, n, W = cfg.hidden_size, cfg.kda_head_dim, cfg.kda_num_heads, cfg.conv_kernel_size
+        self.head_dim, self.num_heads, self.eps = d, n, cfg.rms_norm_eps
+        self.q_proj = nn.Linear(D, n * d, bias=False)
+        self.k_proj = nn.Linear(D, n * d, bias=False)
+        self.v_proj = nn.Linear(D, n * d, bias=False)
+        # q|k|v depthwise convs stacked, as HF holds them: [3*n*d, 1, W]
+        self.conv1d = nn.Conv1d(3 * n * d, 3 * n * d, W, groups=3 * n * d, bias=False)
+        self.forget_gate = ForgetGate(cfg)
+        self.b_proj = nn.Linear(D, n, bias=False)
+        self.g_a_proj = nn.Linear(D, d, bias=False)
+        self.g_b_proj = nn.Linear(d, n * d, bias=False)
+        self.o_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(n * d, D, bias=False)
+
+    def _qkv(self, x):
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def _out(self, x, o):
+        """Gated output norm and projection; o [..., H, d] in x's dtype."""
+        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        o = ops.gated_rmsnorm(o, gate, self.o_norm.weight, self.eps)
+        return self.o_proj(o.flatten(-2))
+
+    def forward(self, x: torch.Tensor, cache: KDAState | None = None) -> torch.Tensor:
+        """A span of tokens [B, T, D]: chunked form from the carried state (zeros without a cache)."""
+        fg = self.forget_gate
+        qkv, taps = ops.causal_conv1d(self._qkv(x), self.conv1d.weight[:, 0], None if cache is None else cache.taps)
+        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in qkv.chunk(3, dim=-1))
+        g = ops.kda_gate(fg.pre_gate(x), fg.A_log, fg.dt_bias, self.head_dim)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o, state = ops.chunk_kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state)
+        if cache is not None:
+            cache.state.copy_(state)
+            cache.taps.copy_(taps)
+        return self._out(x, o.to(x.dtype))
+
+    def decode(self, x: torch.Tensor, cache: KDAState) -> torch.Tensor:
+        """One token per sequence, x [B, D]; updates the recurrent state and conv taps in place."""
+        fg = self.forget_gate
+        o = ops.kda_decode_step(self._qkv(x), cache.taps, self.conv1d.weight[:, 0], fg.pre_gate(x), fg.A_log,
+                                fg.dt_bias, self.b_proj(x), cache.state, self.num_heads, self.head_dim)
+        return self._out(x, o.to(x.dtype))
+
+
+class MultiLatentAttention(nn.Module):
+    """NoPE MLA: nothing is rotated; the 64-dim `k_pe` part is one key shared by all heads."""
+
+    def __init__(self, cfg: KimiConfig):
+        super().__init__()
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.H, self.R, self.P = H, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.dn, self.dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.scale = cfg.qk_head_dim ** -0.5
+        self.q_proj = nn.Linear(D, H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.R + self.P, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.R, cfg.kv_norm_eps)
+        self.kv_b_proj = nn.Linear(self.R, H * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+
+    def _latent(self, x):
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.R, self.P], dim=-1)
+        return self.kv_a_layernorm(c), k_pe
+
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int = 0) -> torch.Tensor:
+        """Tokens [B, T, D] at positions start..start+T-1; the latents of earlier positions come from the cache."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, -1).transpose(1, 2)           # [B,H,T,192]
+        c, k_pe = self._latent(x)
+        if cache is not None:
+            cache.c[:, start:start + T] = c
+            cache.k_pe[:, start:start + T] = k_pe
+            c, k_pe = cache.c[:, :start + T], cache.k_pe[:, :start + T]
+        S = c.shape[1]
+        kv = self.kv_b_proj(c).view(B, S, self.H, self.dn + self.dv).transpose(1, 2)
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None].expand(B, self.H, S, self.P)], dim=-1)
+        # causal over absolute positions: query i (at start+i) sees keys 0..start+i
+        mask = None if start == 0 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(start)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0, scale=self.scale)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.H * self.dv))
+
+    def decode(self, x: torch.Tensor, cache: MLACache, pos: torch.Tensor) -> torch.Tensor:
+        """One token per sequence at position `pos` (a device scalar), attending over the latent cache.
+
+        The key/value up-projection is absorbed: q_nope is mapped into the latent space (q_nope @ W_uk) and
+        the attention output is mapped out of it (o_lat @ W_uv^T), so keys and values are never expanded.
+        """
+        B = x.shape[0]
+        q = self.q_proj(x).view(B, self.H, -1)
+        q_nope, q_pe = q.split([self.dn, self.P], dim=-1)
+        c, k_pe = self._latent(x)
+        cache.c.index_copy_(1, pos.view(1), c[:, None])
+        cache.k_pe.index_copy_(1, pos.view(1), k_pe[:, None])
+        w = self.kv_b_proj.weight.view(self.H, self.dn + self.dv, self.R)
+        w_uk, w_uv = w[:, :self.dn], w[:, self.dn:]
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+        o_lat = ops.mla_decode_attention(q_lat, q_pe, cache.c, cache.k_pe, pos, self.scale)   # [B,H,R]
+        o = torch.einsum("bhr,hvr->bhv", o_lat.to(x.dtype), w_uv)
+        return self.o_proj(o.reshape(B, self.H * self.dv))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores; top-k chosen on score + correction bias; weights are the unbiased scores of the
+    chosen experts, renormalised and scaled (num_expert_group = topk_group = 1 reduces to plain top-k)."""
+
+    def __init__(self, cfg: KimiConfig):
+        super().__init__()
+        self.top_k, self.scaling, self.renorm = cfg.num_experts_per_token, cfg.routed_scaling_factor, cfg.moe_renormalize
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        return ops.moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling, self.renorm)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: KimiConfig):
+        super().__init__()
+        E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, D))   # w1 rows, then w3 rows
+        self.down_proj = nn.Parameter(torch.zeros(E, D, I))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: KimiConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        idx, w = self.gate(x)
+        y = ops.moe_experts(x, idx, w, self.experts.gate_up_proj, self.experts.down_proj)
+        return (y + self.shared_experts(x)).view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: KimiConfig, i: int):
+        super().__init__()
+        self.kind = cfg.layer_kinds[i]
+        self.self_attn = KimiDeltaAttention(cfg) if self.kind == "kda" else MultiLatentAttention(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cache_layer=None, start: int = 0):
+        a = self.input_layernorm(x)
+        a = self.self_attn(a, cache_layer) if self.kind == "kda" else self.self_attn(a, cache_layer, start)
+        h = x + a
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode(self, x, cache_layer, pos):
+        a = self.input_layernorm(x)
+        a = self.self_attn.decode(a, cache_layer) if self.kind == "kda" else self.self_attn.decode(a, cache_layer, pos)
+        h = x + a
+        return h + self.mlp(self.post_attention_layernorm(h))

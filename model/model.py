@@ -1,0 +1,92 @@
+"""Kimi-Linear for causal LM: embedding, decoder layers, final norm, lm_head (logits in fp32).
+
+Three entry points, all greedy-generation building blocks:
+- `forward(ids)`: the whole sequence from scratch (the recompute path; no state kept).
+- `prefill(ids, cache)`: a span of tokens appended to the decode cache (the prompt, or a chunk of it).
+- `decode_step(tokens, cache)`: one token per sequence from the carried state.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache import DecodeCache
+from .config import KimiConfig
+from .layers import DecoderLayer, RMSNorm
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, cfg: KimiConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class KimiLinear(nn.Module):
+    def __init__(self, cfg: KimiConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = KimiLinearModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def check_ids(self, ids: torch.Tensor) -> None:
+        """Refuse what would otherwise index out of range or compute on nothing."""
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"token ids must be int32/int64, got {ids.dtype}")
+        if ids.numel() == 0 or ids.shape[-1] == 0:
+            raise ValueError("empty prompt: at least one token id is needed")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} lies outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+
+    def new_cache(self, batch: int, max_len: int) -> DecodeCache:
+        return DecodeCache.empty(self.cfg, batch, max_len, self.dtype, self.device)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h)).float()
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """ids [B, T] -> logits [B, T, V] fp32 (or [B, V] with last_only), no state carried."""
+        self.check_ids(ids)
+        h = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            h = layer(h)
+        return self._logits(h[:, -1] if last_only else h)
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, cache: DecodeCache, last_only: bool = True) -> torch.Tensor:
+        """Append ids [B, T] after the cache's `length` positions; returns the logits (last position by default)."""
+        self.check_ids(ids)
+        start, T = cache.length, ids.shape[1]
+        if start + T > cache.max_len:
+            raise ValueError(f"cache holds {cache.max_len} positions; {start} used, {T} more asked")
+        h = self.model.embed_tokens(ids)
+        for layer, cl in zip(self.model.layers, cache.layers):
+            h = layer(h, cl, start)
+        cache.length += T
+        cache.pos.fill_(cache.length)
+        return self._logits(h[:, -1] if last_only else h)
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
+        """tokens [B] at position cache.pos -> logits [B, V] fp32. No host sync: `cache.pos` advances on the
+        device, so the step can be captured in a CUDA graph; `cache.length` is the host's copy of it."""
+        if cache.length >= cache.max_len:
+            raise ValueError(f"decode cache is full ({cache.max_len} positions)")
+        h = self.model.embed_tokens(tokens)
+        for layer, cl in zip(self.model.layers, cache.layers):
+            h = layer.decode(h, cl, cache.pos)
+        cache.pos += 1
+        cache.length += 1
+        return self._logits(h)

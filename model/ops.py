@@ -1,0 +1,130 @@
+"""The one place where the model picks an implementation for each hot op: plain PyTorch or Triton.
+
+`KIMI_KERNELS` = `auto` (Triton on CUDA tensors, PyTorch elsewhere), `torch`, or `triton` (Triton everywhere;
+on a CPU that needs `TRITON_INTERPRET=1`). `use("torch")` overrides it inside a `with` block (tests, A/B runs).
+The PyTorch forms are the references: `model.kda`, `model.norms`, and the functions below.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.nn.functional as F
+
+from . import kda, norms
+
+_VALID = ("auto", "torch", "triton")
+_override: str | None = None
+
+
+def kernels_setting() -> str:
+    mode = _override or os.environ.get("KIMI_KERNELS", "auto")
+    if mode not in _VALID:
+        raise ValueError(f"KIMI_KERNELS={mode!r}; expected one of {_VALID}")
+    return mode
+
+
+@contextlib.contextmanager
+def use(mode: str):
+    """Force `mode` for the ops called inside the block."""
+    global _override
+    if mode not in _VALID:
+        raise ValueError(f"kernel mode {mode!r}; expected one of {_VALID}")
+    prev, _override = _override, mode
+    try:
+        yield
+    finally:
+        _override = prev
+
+
+def _triton(t: torch.Tensor) -> bool:
+    mode = kernels_setting()
+    return mode == "triton" or (mode == "auto" and t.is_cuda)
+
+
+# ---- KDA --------------------------------------------------------------------------------------
+causal_conv1d = kda.causal_conv1d
+kda_gate = kda.kda_gate
+
+
+def chunk_kda(q, k, v, g, beta, initial_state=None):
+    """Prefill / recompute over a span: returns (o, final state fp32)."""
+    if _triton(q):
+        from .triton.kda_chunk import chunk_kda_fwd
+        return chunk_kda_fwd(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+    return kda.chunk_kda(q, k, v, g, beta, initial_state=initial_state)
+
+
+def kda_decode_step(qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, state, num_heads, head_dim):
+    """One KDA token per sequence from carried state: conv-tap update, SiLU, gate, beta, L2 norm, state
+    update, output. `taps` and `state` are updated in place. Returns o [B, H, V] (fp32 or model dtype)."""
+    if _triton(qkv_raw):
+        from .triton.kda_decode import fused_kda_decode
+        return fused_kda_decode(qkv_raw, taps, conv_w, f, A_log.reshape(-1), dt_bias, b_raw, state)
+    y, new_taps = kda.causal_conv1d(qkv_raw[:, None], conv_w, taps)
+    taps.copy_(new_taps)
+    q, k, v = (t.unflatten(-1, (num_heads, head_dim)) for t in y[:, 0].chunk(3, dim=-1))
+    g = kda.kda_gate(f, A_log, dt_bias, head_dim)
+    beta = torch.sigmoid(b_raw.float())
+    return kda.recurrent_kda_step(q, k, v, g, beta, state)
+
+
+def gated_rmsnorm(o, gate, weight, eps):
+    if _triton(o):
+        from .triton.norms import gated_rmsnorm as triton_gated_rmsnorm
+        return triton_gated_rmsnorm(o, gate, weight, eps)
+    return norms.gated_rmsnorm(o, gate, weight, eps)
+
+
+# ---- MLA ----------------------------------------------------------------------------------------
+def mla_decode_attention(q_lat, q_pe, c, k_pe, pos, scale):
+    """Attention of one query per head over the latent cache, positions 0..pos (a device scalar).
+
+    q_lat [B,H,R] (q_nope absorbed into the latent space), q_pe [B,H,P], c [B,L,R], k_pe [B,L,P].
+    Runs over the whole preallocated buffer with a mask, so the step's shapes never change (graph-safe).
+    Returns the latent output [B,H,R] in fp32.
+    """
+    s = torch.einsum("bhr,blr->bhl", q_lat, c).float() + torch.einsum("bhp,blp->bhl", q_pe, k_pe).float()
+    valid = torch.arange(c.shape[1], device=c.device) <= pos
+    p = torch.softmax((s * scale).masked_fill(~valid, float("-inf")), dim=-1)
+    return torch.einsum("bhl,blr->bhr", p.to(c.dtype), c).float()
+
+
+# ---- MoE ----------------------------------------------------------------------------------------
+def moe_route(logits, bias, k: int, scaling: float, renorm: bool):
+    """Router logits [N, E] fp32 -> (expert ids [N, k], weights [N, k] fp32): top-k of sigmoid + bias, weights
+    the unbiased sigmoid scores of the chosen, renormalised, times the scaling factor."""
+    if _triton(logits) and not (k & (k - 1)):
+        from .triton.moe import route
+        return route(logits, bias, k, scaling, renorm)
+    return moe_route_torch(logits, bias, k, scaling, renorm)
+
+
+def moe_route_torch(logits, bias, k, scaling, renorm):
+    scores = torch.sigmoid(logits)
+    idx = torch.topk(scores + bias.float(), k, dim=-1, sorted=False).indices
+    w = scores.gather(-1, idx)
+    if renorm:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return idx, w * scaling
+
+
+def moe_experts(x, idx, w, gate_up, down):
+    """sum_k w[n,k] * down[e](silu(w1[e] x) * w3[e] x) with e = idx[n,k]; x [N,D], idx/w [N,k]."""
+    if _triton(x) and x.shape[0] <= 64:
+        from .triton.moe import fused_moe_small_batch
+        return fused_moe_small_batch(x, idx, w, gate_up, down)
+    return moe_experts_torch(x, idx, w, gate_up, down)
+
+
+def moe_experts_torch(x, idx, w, gate_up, down):
+    """Reference: loop over the experts that were chosen; accumulate in fp32."""
+    y = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
+    I = down.shape[2]
+    for e in torch.unique(idx).tolist():
+        tok, slot = torch.where(idx == e)
+        gu = F.linear(x[tok], gate_up[e])
+        h = F.silu(gu[:, :I]) * gu[:, I:]
+        y.index_add_(0, tok, F.linear(h, down[e]).float() * w[tok, slot, None])
+    return y.to(x.dtype)

@@ -1,0 +1,193 @@
+"""Synthetic Kimi-Linear weights and a content fingerprint for provenance.
+
+`synthetic_weights(cfg, seed)` gives every ORIGINAL-format tensor its own generator, seeded from
+sha256(f"{seed}:{name}")[:8], and writes the values straight into the internal (= HF) buffers on the target
+device: an expert's w1/w3/w2 land in its slice of the preallocated stack, so there is no host copy and no host
+sync, and the 48B model builds on one GPU in seconds. Values are drawn in fp32 and rounded once to `dtype`,
+so the bf16 model is exactly the fp32 model rounded (precision comparisons hold the same weights). They depend
+on (seed, name, shape, device type): torch's CPU and CUDA generators differ, so a golden made on a GPU records
+the weights fingerprint, never "seed 0".
+
+Scales (D hidden, d KDA head dim, W conv taps, r kv_lora_rank, L layers, fan_in = the input dim of a [out, in]
+weight; f = 1/sqrt(2L)):
+
+| tensor                                                   | init                                          |
+|----------------------------------------------------------|-----------------------------------------------|
+| embed_tokens                                             | N(0, 1)                                       |
+| input/post_attention_layernorm, norm, o_norm, kv_a_layernorm | 1 + N(0, 0.02^2)                          |
+| q/k/v_proj, f_a_proj, g_a_proj, b_proj (KDA)             | N(0, 1/D)                                     |
+| f_b_proj, g_b_proj                                       | N(0, 1/d)                                     |
+| q/k/v_conv1d                                             | N(0, 1/W)                                     |
+| A_log (fp32)                                             | log U(1, 16)  (fla's init)                    |
+| dt_bias (fp32)                                           | softplus^-1(dt), dt = exp U(ln 1e-3, ln 1e-1) |
+| q_proj, kv_a_proj_with_mqa (MLA)                         | N(0, 1/D)                                     |
+| kv_b_proj                                                | N(0, 1/r)                                     |
+| mlp/shared_experts gate_proj, up_proj; experts w1, w3    | N(0, 1/D)                                     |
+| gate.weight (router)                                     | N(0, 1/D)                                     |
+| gate.e_score_correction_bias (fp32)                      | N(0, 0.01^2)                                  |
+| o_proj, down_proj, experts w2 (into the residual)        | N(0, f^2/fan_in)                              |
+| lm_head                                                  | N(0, 3.5^2/D)                                 |
+
+Why: with 1/fan_in every projection keeps unit variance, so gates and attention logits sit in their working
+range (router and beta logits ~N(0,1); KDA decay exp(g) spans ~0.1..0.999 per step, short and long memory; MLA
+scores ~N(0,1)). The 2L residual branches each add variance ~f^2 (times O(1)), so the residual stream stays
+RMS ~1-1.5 at any depth instead of growing ~sqrt(L), while the blocks still carry ~1/3 of its variance -- the
+context moves the logits, so a broken state carry changes tokens. The final RMSNorm makes the hidden RMS 1, so
+the logit std over the vocabulary is std(lm_head) * sqrt(D) = 3.5 for every config: neither flat nor
+saturated. The bias std 0.01 is comparable to the gaps between the top router scores of the 48B config
+(~0.007 around the 8th of 256), so the bias really changes the expert choice. Norm weights get noise so a
+weight read from the wrong place shows.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+
+import torch
+
+from .checkpoint import Slot, layout, storage_dtype
+from .config import KimiConfig, get_config
+
+LOGIT_STD = 3.5
+NORM_NOISE = 0.02
+ROUTER_BIAS_STD = 0.01
+SAMPLE = 4096  # elements taken from the head, the tail and strided across each tensor by `fingerprint`
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """Seed of one original tensor's generator: the first 8 bytes of sha256(f"{seed}:{name}")."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
+def _init(cfg: KimiConfig, name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+    """(kind, std) for one original tensor; see the module docstring's table."""
+    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+    if leaf == "embed_tokens":
+        return "normal", 1.0
+    if leaf == "lm_head":
+        return "normal", LOGIT_STD / math.sqrt(cfg.hidden_size)
+    if leaf.endswith("norm"):
+        return "one_plus", NORM_NOISE
+    if leaf in ("A_log", "dt_bias"):
+        return leaf, 0.0
+    if leaf == "e_score_correction_bias":
+        return "normal", ROUTER_BIAS_STD
+    if leaf.endswith("conv1d"):
+        return "normal", 1 / math.sqrt(cfg.conv_kernel_size)
+    if leaf in ("o_proj", "down_proj", "w2"):
+        return "normal", 1 / math.sqrt(2 * cfg.num_hidden_layers * shape[-1])
+    if len(shape) == 2:  # every other [out, in] projection, the router included
+        return "normal", 1 / math.sqrt(shape[-1])
+    raise AssertionError(f"no init rule for {name} {shape}")  # a tensor added to layout() without a rule
+
+
+def _fill(dst: torch.Tensor, kind: str, std: float, g: torch.Generator) -> None:
+    """Draw into `dst` in fp32 (into a scratch buffer when dst is not fp32), then round once."""
+    x = dst if dst.dtype == torch.float32 else torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
+    if kind == "normal":
+        x.normal_(0.0, std, generator=g)
+    elif kind == "one_plus":
+        x.normal_(1.0, std, generator=g)
+    elif kind == "A_log":
+        x.uniform_(1.0, 16.0, generator=g).log_()
+    elif kind == "dt_bias":
+        dt = x.uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp_().clamp_min_(1e-4)
+        x.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus, the stable form
+    else:
+        raise AssertionError(kind)
+    if x is not dst:
+        dst.copy_(x)
+
+
+def _draw(cfg: KimiConfig, name: str, slot: Slot, dst: torch.Tensor, seed: int) -> None:
+    g = torch.Generator(device=dst.device)
+    g.manual_seed(tensor_seed(seed, name))
+    _fill(dst, *_init(cfg, name, slot.shape), g)
+
+
+def synthetic_weights(cfg: KimiConfig, seed: int = 0, device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Deterministic random weights as an internal state dict; A_log, dt_bias, e_score_correction_bias in
+    fp32, everything else in `dtype`. See the module docstring for scales and determinism."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+    device = torch.device(device)
+    slots, internal = layout(cfg)
+    out = {n: torch.empty(shape, dtype=storage_dtype(dt, dtype), device=device) for n, (shape, dt) in internal.items()}
+    for name, s in slots.items():
+        _draw(cfg, name, s, out[s.internal][s.index] if s.index else out[s.internal], seed)
+    return out
+
+
+def synthetic_tensor(cfg: KimiConfig, name: str, seed: int = 0, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One ORIGINAL-format tensor of `synthetic_weights(cfg, seed, device, dtype)`, generated on its own."""
+    slots = layout(cfg)[0]
+    if name not in slots:
+        raise KeyError(f"{name!r} is not a tensor of the original checkpoint format for config {cfg.name!r}")
+    s = slots[name]
+    t = torch.empty(s.shape, dtype=storage_dtype(s.dtype, dtype), device=torch.device(device))
+    _draw(cfg, name, s, t, seed)
+    return t
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _sample(flat: torch.Tensor) -> torch.Tensor:
+    n = flat.numel()
+    if n <= 3 * SAMPLE:
+        return flat
+    step = (n - 2 * SAMPLE) // SAMPLE
+    return torch.cat([flat[:SAMPLE], flat[SAMPLE:n - SAMPLE:step][:SAMPLE], flat[-SAMPLE:]])
+
+
+def fingerprint(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """'sha256:<16 hex>' over every tensor's name, shape, dtype, the int64 sum of all its elements' bit
+    patterns (any single changed element changes it) and the raw bytes of a sample (first/last 4096 elements and
+    4096 strided). Computed on the tensors' device; one transfer to the host. Equal for equal state dicts,
+    whether loaded or synthesised, on any device."""
+    h = hashlib.sha256()
+    parts = []
+    for name in sorted(state_dict):
+        t = state_dict[name].detach()
+        h.update(f"{name}|{list(t.shape)}|{t.dtype}\n".encode())
+        bits = t.view(_INT_OF_SIZE[t.element_size()]).reshape(-1)
+        total = bits.sum(dtype=torch.int64).reshape(1)
+        parts.append(torch.cat([total.view(torch.uint8), _sample(bits).view(torch.uint8)]))
+    if parts:
+        h.update(torch.cat([p.to(parts[0].device) for p in parts]).cpu().numpy().tobytes())
+    return "sha256:" + h.hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Time building one preset's synthetic weights and their fingerprint (e.g. the 48B model on a GPU)."""
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(prog="python -m model.weights", description=main.__doc__)
+    ap.add_argument("--preset", default="48b-a3b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    cfg, dev = get_config(a.preset), torch.device(a.device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    t0 = time.perf_counter()
+    sd = synthetic_weights(cfg, a.seed, dev, getattr(torch, a.dtype))
+    sync()
+    t1 = time.perf_counter()
+    fp = fingerprint(sd)
+    t2 = time.perf_counter()
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    print(f"{a.preset} seed {a.seed} {a.dtype} on {dev}: {len(sd)} tensors, {nbytes / 2**30:.1f} GiB; "
+          f"synthesis {t1 - t0:.1f} s, fingerprint {t2 - t1:.2f} s: {fp}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Speed-regression detection for bench records, against the history of the same machine and configuration.
+
+A run is compared only with earlier VALID runs of the same fingerprint: machine.gpu, machine.host,
+preset, params.phase, params.context, dtype. Two conditions must BOTH hold to flag a regression:
+
+1. Statistical: a one-sided Mann-Whitney U test says the new run's per-token latencies
+   (results.samples_ms) are larger than the pooled samples of the last K runs (p < ALPHA).
+   Alone this over-flags: samples within one run are autocorrelated (clock, thermal and allocator
+   state persist for the whole run), so a run's hundreds of samples carry far fewer independent
+   observations than their count, and on an H200 the run medians wander ~1-2% from run to run. Any
+   such drift gives a tiny p-value.
+2. Practical: the new median exceeds the LARGEST history run median by more than
+   max(MIN_SLOWDOWN, MAD_FACTOR * MAD of history run medians / their median). The bar is set by the
+   run-to-run spread the history itself shows, counted in runs, not samples.
+
+`python -m reports.regress [--records DIR]` checks the latest run of every fingerprint and exits 1
+when any regressed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.stats import mannwhitneyu
+
+HISTORY_RUNS = 8  # K: how many earlier runs form the history
+MIN_HISTORY_RUNS = 3  # fewer cannot estimate run-to-run spread
+ALPHA = 0.01
+MIN_SLOWDOWN = 0.03
+MAD_FACTOR = 3.0
+
+KEY_FIELDS = ("machine.gpu", "machine.host", "preset", "params.phase", "params.context", "dtype")
+
+
+@dataclass(frozen=True)
+class Regression:
+    key: tuple
+    verdict: str  # 'regression' | 'ok' | 'insufficient-history'
+    new_median: float
+    hist_median: float | None
+    ratio: float | None  # new median / history median; > 1 is slower
+    p_value: float | None
+    message: str
+    record_id: str | None = None
+    history_ids: tuple[str, ...] = ()
+
+
+def _field(record: dict, dotted: str):
+    value = record
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(f"record {record.get('id', '?')!r} has no field {dotted!r}")
+        value = value[part]
+    return value
+
+
+def fingerprint(record: dict) -> tuple:
+    """The comparability key of a bench record (see KEY_FIELDS)."""
+    return tuple(_field(record, f) for f in KEY_FIELDS)
+
+
+def _samples(record: dict) -> np.ndarray:
+    samples = np.asarray(_field(record, "results.samples_ms"), dtype=float)
+    if samples.ndim != 1 or samples.size == 0 or not np.all(np.isfinite(samples)):
+        raise ValueError(f"record {record.get('id', '?')!r}: results.samples_ms must be a non-empty list of finite numbers")
+    return samples
+
+
+def _comparable(record: dict) -> bool:
+    return (record.get("kind") == "bench" and record.get("verdict") == "VALID"
+            and bool((record.get("results") or {}).get("samples_ms")))
+
+
+def check(new: dict, history: list[dict], k: int = HISTORY_RUNS) -> Regression:
+    """Compare run `new` with the last `k` runs of `history` that share its fingerprint and precede it."""
+    key = fingerprint(new)
+    new_samples = _samples(new)
+    new_median = float(np.median(new_samples))
+    earlier = sorted((r for r in history if _comparable(r) and r["id"] != new["id"]
+                      and fingerprint(r) == key and r["time"] < new["time"]), key=lambda r: r["time"])[-k:]
+    hist_ids = tuple(r["id"] for r in earlier)
+    if len(earlier) < MIN_HISTORY_RUNS:
+        return Regression(key, "insufficient-history", new_median, None, None, None,
+                          f"{len(earlier)} earlier run(s) of this configuration, need {MIN_HISTORY_RUNS}",
+                          new["id"], hist_ids)
+    run_medians = np.array([np.median(_samples(r)) for r in earlier])
+    hist_median = float(np.median(run_medians))
+    mad = float(np.median(np.abs(run_medians - hist_median)))
+    margin = max(MIN_SLOWDOWN, MAD_FACTOR * mad / hist_median)
+    bar = float(run_medians.max()) * (1 + margin)
+    p_value = float(mannwhitneyu(new_samples, np.concatenate([_samples(r) for r in earlier]),
+                                 alternative="greater").pvalue)
+    ratio = new_median / hist_median
+    slow, significant = new_median > bar, p_value < ALPHA
+    verdict = "regression" if slow and significant else "ok"
+    message = (f"median {new_median:.4g} ms vs history {hist_median:.4g} ms ({ratio - 1:+.1%}) over "
+               f"{len(earlier)} runs; bar {bar:.4g} ms (max run median +{margin:.1%}) "
+               f"{'exceeded' if slow else 'not exceeded'}; Mann-Whitney p={p_value:.2g}")
+    return Regression(key, verdict, new_median, hist_median, ratio, p_value, message, new["id"], hist_ids)
+
+
+def check_latest(records: list[dict], k: int = HISTORY_RUNS) -> list[Regression]:
+    """Check the latest VALID run of every bench fingerprint against its own history."""
+    latest: dict[tuple, dict] = {}
+    for r in records:
+        if _comparable(r):
+            key = fingerprint(r)
+            if key not in latest or r["time"] > latest[key]["time"]:
+                latest[key] = r
+    return [check(r, records, k) for _, r in sorted(latest.items(), key=lambda kv: str(kv[0]))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from records.store import load
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", default=None, help="records directory (default: the store's)")
+    parser.add_argument("--history", type=int, default=HISTORY_RUNS, help="runs of history to compare with")
+    args = parser.parse_args(argv)
+    results = check_latest(load(kinds=["bench"], root=args.records).records, args.history)
+    for r in results:
+        print(f"{r.verdict:>20}  {'/'.join(map(str, r.key))}  {r.record_id}: {r.message}")
+    return 1 if any(r.verdict == "regression" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,488 @@
+"""Render the suite's report from records alone: `<out>/index.html`, `<out>/SUMMARY.md`, `<out>/figures/*.png`.
+
+    python -m reports.render [--records DIR] [--out reports/]
+
+Every figure and table cites the records it was drawn from (short id, machine, commit). INVALID records
+are listed with their reasons and never drawn into a speed plot; lines `load()` could not read are listed
+at the top. A section without records says so instead of failing.
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from benchmarks.categories import CATEGORY_NAMES  # noqa: E402
+from reports import regress  # noqa: E402
+
+NO_RECORDS = "no records yet"
+GiB = 1 << 30
+
+# The seed's published decode decomposition (nsys on GB10). It is a document, not a record: cited as such.
+SEED_CITATION = ("seed document /work/shared/seed/000_49c5fcef6bd17615.txt (PR #113, 'Kimi-Linear: paged-incremental "
+                 "decode', GB10 nsys decode decomposition)")
+SEED_LABEL = "seed (GB10, published)"
+# Its "MoE glue" is router/top-k work, our moe_routing; "other" is what its four named shares leave.
+SEED_SHARES = {"gemm": 0.90, "kda": 0.023, "moe_routing": 0.023, "cast": 0.03}
+SEED_SHARES["other"] = 1 - sum(SEED_SHARES.values())
+SEED_IDLE = 0.15
+
+
+# ---- document model: sections of paragraphs, figures and tables, written out as HTML and Markdown ----
+
+@dataclass
+class Figure:
+    file: str  # relative to the output directory
+    title: str
+    source: str  # the citation line
+
+
+@dataclass
+class Table:
+    header: list[str]
+    rows: list[list[str]]
+    source: str = ""
+
+
+@dataclass
+class Section:
+    title: str
+    blocks: list = field(default_factory=list)  # str paragraphs, Figures and Tables, in order
+
+
+# ---- record helpers ----------------------------------------------------------------------------
+
+def get(record: dict, dotted: str, default=None):
+    value = record
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or value.get(part) is None:
+            return default
+        value = value[part]
+    return value
+
+
+def short_id(r: dict) -> str:
+    return str(r["id"])[:8]
+
+
+def commit(r: dict) -> str:
+    sha = str(get(r, "git.commit", "?"))[:7]
+    return sha + ("+dirty" if get(r, "git.dirty") else "")
+
+
+def machine(r: dict) -> str:
+    return f"{get(r, 'machine.gpu', 'no GPU')} @ {get(r, 'machine.host', '?')}"
+
+
+def when(r: dict) -> datetime:
+    return datetime.fromisoformat(r["time"])
+
+
+def cite(records: list[dict]) -> str:
+    """'records id1, id2 (machine, commit abc1234); ...' grouped by machine and commit."""
+    if not records:
+        return "no records"
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for r in sorted(records, key=lambda r: r["time"]):
+        groups[(machine(r), commit(r))].append(short_id(r))
+    return "; ".join(f"records {', '.join(ids)} ({m}, commit {c})" for (m, c), ids in groups.items())
+
+
+def latest_by(records: list[dict], key) -> dict:
+    out = {}
+    for r in sorted(records, key=lambda r: r["time"]):
+        out[key(r)] = r
+    return out
+
+
+def fmt(x, spec: str | None = None) -> str:
+    """'—' for a missing value; by default 4 significant digits, thousands as 41,000."""
+    if x is None:
+        return "—"
+    return format(x, spec or (",.0f" if abs(x) >= 1000 else ".4g"))
+
+
+def save(fig, out: Path, name: str) -> str:
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    rel = f"figures/{name}.png"
+    fig.tight_layout()
+    fig.savefig(out / rel, dpi=100)
+    plt.close(fig)
+    return rel
+
+
+# ---- sections ----------------------------------------------------------------------------------
+
+def problems_section(problems: list[str]) -> Section:
+    s = Section("Unreadable record lines")
+    if not problems:
+        s.blocks.append("none: every line of the records files was read")
+    else:
+        s.blocks.append(f"{len(problems)} line(s) could not be read and are left out of everything below:")
+        s.blocks.append(Table(["problem"], [[p] for p in problems]))
+    return s
+
+
+def invalid_section(records: list[dict]) -> Section:
+    s = Section("INVALID records")
+    bad = [r for r in records if r["verdict"] != "VALID"]
+    if not bad:
+        s.blocks.append("none")
+        return s
+    s.blocks.append("Kept for the record, left out of every plot and summary below.")
+    s.blocks.append(Table(["record", "kind", "time", "machine", "commit", "reasons"],
+                          [[short_id(r), r["kind"], r["time"], machine(r), commit(r), "; ".join(r["reasons"])]
+                           for r in bad], cite(bad)))
+    return s
+
+
+def bench_config(r: dict) -> tuple:
+    return (get(r, "params.phase"), get(r, "params.context"), r["preset"], r["dtype"],
+            get(r, "machine.gpu"), get(r, "machine.host"))
+
+
+def config_order(config: tuple) -> tuple:
+    """Sort key: phase, then context as a number, then the rest as text (any field may be None)."""
+    phase, context, *rest = config
+    return str(phase), context if isinstance(context, (int, float)) else float("inf"), str(rest)
+
+
+def series_label(r: dict) -> str:
+    return f"{r['preset']} {r['dtype']} ({get(r, 'machine.gpu', 'no GPU')})"
+
+
+def speed_section(bench: list[dict], out: Path) -> Section:
+    s = Section("Speed against context length")
+    for phase in ("decode", "prefill"):
+        rs = [r for r in bench if get(r, "params.phase") == phase]
+        if not rs:
+            s.blocks.append(f"{phase}: {NO_RECORDS}")
+            continue
+        ours = latest_by(rs, bench_config)
+        peers = latest_by([r for r in rs if get(r, "results.peer_tok_s") is not None],
+                          lambda r: (bench_config(r), get(r, "results.peer")))
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        lines = defaultdict(list)
+        for r in ours.values():
+            lines[("ours", series_label(r))].append((get(r, "params.context"), get(r, "results.tok_s")))
+            if get(r, "results.roofline_fraction"):
+                lines[("roofline", series_label(r))].append(
+                    (get(r, "params.context"), get(r, "results.tok_s") / get(r, "results.roofline_fraction")))
+        for r in peers.values():
+            lines[(get(r, "results.peer"), series_label(r))].append(
+                (get(r, "params.context"), get(r, "results.peer_tok_s")))
+        for (who, label), points in sorted(lines.items()):
+            x, y = zip(*sorted(points))
+            style = {"ours": dict(marker="o", lw=2), "roofline": dict(ls="--", color="black")}.get(who, dict(marker="s"))
+            ax.plot(x, y, label=f"{who}: {label}", **style)
+        ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="tokens/s",
+               title=f"{phase} speed (latest run per configuration)")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        used = list(ours.values()) + [r for r in peers.values() if r not in ours.values()]
+        s.blocks.append(Figure(save(fig, out, f"speed_{phase}"), f"{phase} speed vs context", cite(used)))
+        s.blocks.append(Table(
+            ["context", "config", "ours tok/s", "roofline fraction", "record", "peers (tok/s, record)"],
+            [[str(get(r, "params.context")), series_label(r), fmt(get(r, "results.tok_s")),
+              fmt(get(r, "results.roofline_fraction"), ".1%"), short_id(r),
+              ", ".join(f"{get(p, 'results.peer')} {fmt(get(p, 'results.peer_tok_s'))} ({short_id(p)})"
+                        for (cfg, _), p in sorted(peers.items(), key=lambda kv: str(kv[0])) if cfg == key) or "—"]
+             for key, r in sorted(ours.items(), key=lambda kv: config_order(kv[0]))], cite(used)))
+    return s
+
+
+def history_section(bench: list[dict], out: Path) -> Section:
+    s = Section("Speed history and regressions")
+    if not bench:
+        s.blocks.append(NO_RECORDS)
+        return s
+    verdicts = {r["id"]: regress.check(r, bench) for r in bench if get(r, "results.samples_ms")}
+    for phase in ("decode", "prefill"):
+        rs = sorted((r for r in bench if get(r, "params.phase") == phase), key=lambda r: r["time"])
+        if not rs:
+            continue
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        by_config = defaultdict(list)
+        for r in rs:
+            by_config[bench_config(r)].append(r)
+        for cfg, runs in sorted(by_config.items(), key=lambda kv: config_order(kv[0])):
+            ax.plot([when(r) for r in runs], [get(r, "results.tok_s") for r in runs], marker="o",
+                    label=f"ctx {cfg[1]}: {series_label(runs[0])}")
+        flagged = [r for r in rs if verdicts.get(r["id"]) and verdicts[r["id"]].verdict == "regression"]
+        if flagged:
+            ax.scatter([when(r) for r in flagged], [get(r, "results.tok_s") for r in flagged], s=160,
+                       facecolors="none", edgecolors="red", linewidths=2, label="regression", zorder=5)
+        ticks = latest_by(rs, commit)  # one tick per commit, at its latest run
+        ax.set_xticks([when(r) for r in ticks.values()], list(ticks), rotation=45, fontsize=7)
+        ax.set(xlabel="commit (by time of run)", ylabel="tokens/s", title=f"{phase} speed history")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        s.blocks.append(Figure(save(fig, out, f"history_{phase}"), f"{phase} speed history", cite(rs)))
+    latest = latest_by([r for r in bench if r["id"] in verdicts], bench_config)
+    shown = sorted({r["id"]: r for r in list(latest.values())
+                    + [r for r in bench if r["id"] in verdicts and verdicts[r["id"]].verdict == "regression"]}.values(),
+                   key=lambda r: (config_order(bench_config(r)), r["time"]))
+    s.blocks.append(
+        f"Each run against the earlier runs of its machine and configuration (reports/regress.py): flagged only when a "
+        f"one-sided Mann-Whitney test (p < {regress.ALPHA}) AND a slowdown beyond the history's largest run median by "
+        f"max({regress.MIN_SLOWDOWN:.0%}, {regress.MAD_FACTOR:g} MAD) agree. Latest run per configuration, plus every "
+        f"flagged run:")
+    s.blocks.append(Table(["record", "time", "configuration", "verdict", "median ms", "vs history", "p", "why"],
+                          [[short_id(r), r["time"], f"{get(r, 'params.phase')} ctx {get(r, 'params.context')} "
+                            f"{series_label(r)} @ {get(r, 'machine.host')}", v.verdict.upper() if v.verdict ==
+                            "regression" else v.verdict, fmt(v.new_median), fmt(v.ratio and v.ratio - 1, "+.1%"),
+                            fmt(v.p_value, ".2g"), v.message] for r in shown for v in [verdicts[r["id"]]]], cite(shown)))
+    return s
+
+
+def gates_section(gates: list[dict], out: Path) -> Section:
+    s = Section("Gates")
+    if not gates:
+        s.blocks.append(NO_RECORDS)
+        return s
+    gates = sorted(gates, key=lambda r: r["time"])
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    for kind, marker in (("gate_a", "o"), ("gate_b", "s")):
+        rs = [r for r in gates if r["kind"] == kind]
+        if rs:
+            ax.plot([when(r) for r in rs], [get(r, "results.score") / get(r, "results.total") for r in rs],
+                    marker=marker, label=kind)
+            failed = [r for r in rs if not get(r, "results.passed")]
+            ax.scatter([when(r) for r in failed], [get(r, "results.score") / get(r, "results.total") for r in failed],
+                       color="red", s=80, zorder=5, label=f"{kind} failed" if failed else None)
+            for r in failed:
+                ax.annotate(f"{get(r, 'results.score')}/{get(r, 'results.total')}", (when(r), get(r, "results.score")
+                            / get(r, "results.total")), textcoords="offset points", xytext=(8, 0), color="red")
+    ticks = latest_by(gates, commit)
+    ax.set_xticks([when(r) for r in ticks.values()], list(ticks), rotation=45, fontsize=7)
+    ax.set(ylabel="score k/N", title="gate scores per run")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    s.blocks.append(Figure(save(fig, out, "gates"), "gate history", cite(gates)))
+    s.blocks.append(Table(["record", "time", "gate", "machine", "commit", "score", "passed", "verdict"],
+                          [[short_id(r), r["time"], r["kind"], machine(r), commit(r),
+                            f"{get(r, 'results.score')}/{get(r, 'results.total')}",
+                            "PASS" if get(r, "results.passed") else "FAIL", r["verdict"]] for r in gates], cite(gates)))
+    diag = [(r, d) for r in gates for d in get(r, "results.diagnoses", [])]
+    if diag:
+        s.blocks.append("Diagnoses of mismatches (first divergent step; near-tie = both tokens in the other's top-5 "
+                        "with a logit margin under epsilon):")
+        s.blocks.append(Table(["record", "gate", "commit", "prompt", "step", "ours", "theirs", "margin", "diagnosis"],
+                              [[short_id(r), r["kind"], commit(r), str(d.get("prompt")), str(d.get("step")),
+                                str(d.get("ours")), str(d.get("theirs")), fmt(d.get("margin")), str(d.get("verdict"))]
+                               for r, d in diag], cite([r for r, _ in diag])))
+    return s
+
+
+def decomposition_section(decomps: list[dict], out: Path) -> Section:
+    s = Section("Decode time decomposition")
+    if not decomps:
+        s.blocks.append(f"{NO_RECORDS} for ours; the seed's published shares: "
+                        + ", ".join(f"{k} {v:.1%}" for k, v in SEED_SHARES.items()) + f", idle {SEED_IDLE:.0%} "
+                        f"({SEED_CITATION})")
+        return s
+    ours = max(decomps, key=lambda r: r["time"])
+    shares = get(ours, "results.shares", {})
+    cats = [c for c in CATEGORY_NAMES if c in shares or c in SEED_SHARES] + sorted(set(shares) - set(CATEGORY_NAMES))
+    label = f"ours ({short_id(ours)}, {commit(ours)})"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    colors = plt.get_cmap("tab20")
+    bottoms = [0.0, 0.0]
+    for i, cat in enumerate(cats):
+        heights = [shares.get(cat, 0.0), SEED_SHARES.get(cat, 0.0)]
+        left.bar([label, SEED_LABEL], heights, bottom=bottoms, color=colors(i % 20), label=cat)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    left.set(ylabel="share of GPU kernel time", ylim=(0, 1.0), title="decode kernel time by category")
+    left.legend(fontsize=7, bbox_to_anchor=(1.0, 1.0), loc="upper left")
+    right.bar(["ours", "seed"], [get(ours, "results.idle_fraction", 0.0), SEED_IDLE], color=["tab:blue", "tab:gray"])
+    right.set(ylabel="GPU idle fraction of wall time", title="idle between kernels")
+    src = f"ours: {cite([ours])}; seed bar: {SEED_CITATION}"
+    s.blocks.append(Figure(save(fig, out, "decomposition"), "decode decomposition, ours vs seed", src))
+    s.blocks.append(Table(["category", "ours", SEED_LABEL],
+                          [[c, fmt(shares.get(c), ".1%"), fmt(SEED_SHARES.get(c), ".1%")] for c in cats]
+                          + [["idle (of wall time)", fmt(get(ours, "results.idle_fraction"), ".1%"), f"{SEED_IDLE:.0%}"],
+                             ["ms per step", fmt(get(ours, "results.step_ms")), "—"]], src))
+    return s
+
+
+def natural(text: str) -> list:
+    """Sort key that orders 'T=8192' before 'T=32768'."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text)]
+
+
+def kernel_label(r: dict) -> str:
+    params = r["params"] or {}
+    name = params.get("kernel", "?")
+    rest = " ".join(f"{k}={v}" for k, v in sorted(params.items()) if k != "kernel")
+    return f"{name} {rest} {r['dtype']}".strip()
+
+
+def kernels_section(kernels: list[dict], out: Path) -> Section:
+    s = Section("Kernel timings, ours vs peer")
+    if not kernels:
+        s.blocks.append(NO_RECORDS)
+        return s
+    latest = sorted(latest_by(kernels, lambda r: (kernel_label(r), get(r, "machine.gpu"))).values(),
+                    key=lambda r: natural(kernel_label(r)))
+    labels = [kernel_label(r) for r in latest]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(latest) + 1.5))
+    y = range(len(latest))
+    ax.barh([i - 0.2 for i in y], [get(r, "results.ours_ms", 0) for r in latest], height=0.4, label="ours")
+    ax.barh([i + 0.2 for i in y], [get(r, "results.peer_ms", 0) for r in latest], height=0.4, label="peer")
+    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.set(xscale="log", xlabel="ms per call", title="kernel timings (latest per kernel and GPU)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=7)
+    s.blocks.append(Figure(save(fig, out, "kernels"), "kernel timings", cite(latest)))
+    s.blocks.append(Table(["kernel", "ours ms", "peer", "peer ms", "speedup", "record", "machine", "commit"],
+                          [[kernel_label(r), fmt(get(r, "results.ours_ms")), str(get(r, "results.peer", "—")),
+                            fmt(get(r, "results.peer_ms")),
+                            fmt(get(r, "results.peer_ms") and get(r, "results.ours_ms")
+                                and get(r, "results.peer_ms") / get(r, "results.ours_ms"), ".2f"),
+                            short_id(r), machine(r), commit(r)] for r in latest], cite(latest)))
+    return s
+
+
+def memory_section(memory: list[dict], out: Path) -> Section:
+    """Memory records: results.decision ('ok'|'refused'|'tripped'), projected_bytes, measured_peak_bytes,
+    free_before_bytes, floor_bytes, audit_ok, message."""
+    s = Section("Memory audit")
+    if not memory:
+        s.blocks.append(NO_RECORDS)
+        return s
+    memory = sorted(memory, key=lambda r: r["time"])
+    measured = [r for r in memory if get(r, "results.measured_peak_bytes") is not None]
+    if measured:
+        fig, ax = plt.subplots(figsize=(10, 0.5 * len(measured) + 2.5))
+        y = range(len(measured))
+        ax.barh([i - 0.2 for i in y], [get(r, "results.projected_bytes", 0) / GiB for r in measured], height=0.4,
+                label="projected peak")
+        ax.barh([i + 0.2 for i in y], [get(r, "results.measured_peak_bytes") / GiB for r in measured], height=0.4,
+                label="measured peak")
+        allowed = [(i, get(r, "results.free_before_bytes") - get(r, "results.floor_bytes")) for i, r in enumerate(measured)
+                   if get(r, "results.free_before_bytes") is not None and get(r, "results.floor_bytes") is not None]
+        if allowed:
+            ax.scatter([a / GiB for _, a in allowed], [i for i, _ in allowed], marker="|", s=900, color="red",
+                       zorder=5, label="free before - floor (largest allowed peak)")
+        ax.set_yticks(list(y), [f"{short_id(r)} {r['preset']} ctx {get(r, 'params.context', '?')}" for r in measured],
+                      fontsize=7)
+        ax.set(xlabel="GiB", title="memory: projected vs measured peak")
+        ax.invert_yaxis()
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        s.blocks.append(Figure(save(fig, out, "memory"), "memory projected vs measured", cite(measured)))
+    gib = lambda r, f: fmt(get(r, f"results.{f}") and get(r, f"results.{f}") / GiB, ".2f")
+    s.blocks.append(Table(
+        ["record", "time", "machine", "commit", "preset", "floor decision", "free before GiB", "floor GiB",
+         "projected GiB", "measured GiB", "audit", "message"],
+        [[short_id(r), r["time"], machine(r), commit(r), str(r["preset"]), str(get(r, "results.decision", "—")),
+          gib(r, "free_before_bytes"), gib(r, "floor_bytes"), gib(r, "projected_bytes"), gib(r, "measured_peak_bytes"),
+          {True: "OK", False: "FAILED"}.get(get(r, "results.audit_ok"), "—"), str(get(r, "results.message", ""))]
+         for r in memory], cite(memory)))
+    return s
+
+
+def build(loaded, out: Path) -> list[Section]:
+    records = loaded.records
+    valid = [r for r in records if r["verdict"] == "VALID"]
+    of = lambda *kinds: [r for r in valid if r["kind"] in kinds]
+    return [
+        problems_section(loaded.problems),
+        invalid_section(records),
+        speed_section(of("bench"), out),
+        history_section(of("bench"), out),
+        gates_section(of("gate_a", "gate_b"), out),
+        decomposition_section(of("decomposition"), out),
+        kernels_section(of("kernel"), out),
+        memory_section(of("memory"), out),
+    ]
+
+
+# ---- writers -----------------------------------------------------------------------------------
+
+def _md_cell(x: str) -> str:
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(sections: list[Section], header: str) -> str:
+    lines = ["# Kimi-Linear gating suite: report", "", header, ""]
+    for s in sections:
+        lines += [f"## {s.title}", ""]
+        for b in s.blocks:
+            if isinstance(b, Figure):
+                lines += [f"![{b.title}]({b.file})", "", f"*{b.title}.* Source: {b.source}", ""]
+            elif isinstance(b, Table):
+                lines += ["| " + " | ".join(map(_md_cell, b.header)) + " |", "|" + "---|" * len(b.header)]
+                lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in b.rows]
+                lines += ([""] + [f"Source: {b.source}"] if b.source else []) + [""]
+            else:
+                lines += [b, ""]
+    return "\n".join(lines)
+
+
+def to_html(sections: list[Section], header: str) -> str:
+    e = html.escape
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>Kimi-Linear gating suite: report</title>",
+             "<style>body{font-family:sans-serif;max-width:1200px;margin:auto;padding:1em}"
+             "table{border-collapse:collapse;font-size:12px;margin:.5em 0}td,th{border:1px solid #bbb;padding:2px 6px}"
+             "th{background:#eee}.src{color:#555;font-size:12px}img{max-width:100%}"
+             ".problems{background:#fee;border:2px solid #c00;padding:.5em}</style></head><body>",
+             "<h1>Kimi-Linear gating suite: report</h1>", f"<p>{e(header)}</p>"]
+    for s in sections:
+        problem = s.title == "Unreadable record lines" and any(isinstance(b, Table) for b in s.blocks)
+        parts.append(f"<section{' class=problems' if problem else ''}><h2>{e(s.title)}</h2>")
+        for b in s.blocks:
+            if isinstance(b, Figure):
+                parts.append(f"<figure><img src='{e(b.file)}' alt='{e(b.title)}'>"
+                             f"<figcaption class=src><b>{e(b.title)}</b>. Source: {e(b.source)}</figcaption></figure>")
+            elif isinstance(b, Table):
+                parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in b.header) + "</tr>")
+                parts += ["<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in b.rows]
+                parts.append("</table>" + (f"<p class=src>Source: {e(b.source)}</p>" if b.source else ""))
+            else:
+                parts.append(f"<p>{e(b)}</p>")
+        parts.append("</section>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def render(records_root=None, out: str | Path = "reports") -> list[Section]:
+    from records.store import load, records_dir
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in (out / "figures").glob("*.png"):  # a figure whose section is now empty must not linger
+        old.unlink()
+    loaded = load(root=records_root)
+    sections = build(loaded, out)
+    kinds = defaultdict(int)
+    for r in loaded.records:
+        kinds[r["kind"]] += 1
+    header = (f"Rendered from {len(loaded.records)} records in {records_dir(records_root)} ("
+              + (", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) or "none")
+              + f"); {len(loaded.problems)} unreadable line(s).")
+    (out / "index.html").write_text(to_html(sections, header))
+    (out / "SUMMARY.md").write_text(to_markdown(sections, header))
+    return sections
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Render reports/index.html and SUMMARY.md from records alone.")
+    parser.add_argument("--records", default=None, help="records directory (default: the store's)")
+    parser.add_argument("--out", default="reports", help="output directory (default: reports/)")
+    args = parser.parse_args(argv)
+    render(args.records, args.out)
+    print(f"wrote {Path(args.out) / 'index.html'} and {Path(args.out) / 'SUMMARY.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Kernel-name categories and the decomposition arithmetic, on hand-made event lists."""
+import math
+
+import pytest
+
+from benchmarks.categories import CATEGORY_NAMES, categorize, decompose
+
+# Names as the PyTorch profiler reports them (shortened where the template tail does not matter).
+NAMES = {
+    "void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16, 4, 4, false, false>": "gemm",
+    "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "gemm",
+    "void gemvx::kernel<int, int, __nv_bfloat16, float, false, true, true, false, 7, false>": "gemm",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": "gemm",
+    "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "gemm",
+    "ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x4_tn": "gemm",
+    "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>": "gemm",
+    "kda_recurrent_step_kernel": "kda",
+    "chunk_kda_fwd_kernel_o": "kda",
+    "fused_recurrent_kda_fwd_kernel": "kda",
+    "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": "kda",
+    "mla_decode_attention_kernel": "mla_attention",
+    "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)": "mla_attention",
+    "void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4>>": "mla_attention",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>": "mla_attention",
+    "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>": "moe_routing",
+    "void at::native::bitonicSortKVInPlace<2, -1, 16, 16, float, long>": "moe_routing",
+    "moe_route_sigmoid_kernel": "moe_routing",
+    "fused_moe_kernel": "moe_experts",
+    "moe_expert_gemv_kernel": "moe_experts",  # an expert GEMV is expert time, not generic GEMM
+    "rmsnorm_fwd_kernel": "norm",
+    "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>": "norm",
+    "triton_poi_fused__to_copy_0": "cast",
+    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda, "
+    "memory::LoadWithCast<1>, memory::StoreWithCast<1>>": "cast",
+    "Memcpy DtoD (Device -> Device)": "memcpy",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1>>": "memcpy",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3>>": "elementwise",
+    "void at::native::elementwise_kernel<128, 2, broadcast_lambda>": "elementwise",  # broadcast is not a cast
+    "triton_poi_fused_add_mul_silu_3": "elementwise",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, MeanOps<float, float>>>": "reduction",
+    "triton_red_fused_sum_2": "reduction",
+    "some_kernel_nobody_knows": "other",
+}
+
+
+@pytest.mark.parametrize("name,expected", list(NAMES.items()))
+def test_categorize(name, expected):
+    assert categorize(name) == expected
+
+
+def test_categorize_rejects_non_string():
+    with pytest.raises(TypeError, match="kernel name"):
+        categorize(None)
+
+
+def test_decompose_gaps_overlaps_and_unknown_names():
+    # Two decode steps over 0..100 us; kda partly overlaps the first GEMV (another stream).
+    # Kernel time: gemm 30+20, kda 20, unknown 20 = 90 us; busy union [0,40] u [50,70] u [80,100] = 80 us.
+    events = [
+        ("gemvx_kernel", 0, 30),
+        ("kda_step", 20, 20),
+        ("gemvx_kernel", 50, 20),
+        ("mystery", 80, 20),
+    ]
+    d = decompose(events, steps=2)
+    assert d["kernel_us"] == 90
+    assert d["busy_us"] == 80
+    assert d["wall_us"] == 100
+    assert d["idle_fraction"] == pytest.approx(20 / 100)
+    assert d["step_ms"] == pytest.approx(0.05)
+    assert d["shares"]["gemm"] == pytest.approx(50 / 90)
+    assert d["shares"]["kda"] == pytest.approx(20 / 90)
+    assert d["shares"]["other"] == pytest.approx(20 / 90)
+    assert set(d["shares"]) == set(CATEGORY_NAMES)
+    assert math.fsum(d["shares"].values()) == pytest.approx(1.0)
+
+
+def test_decompose_nested_and_unsorted_intervals():
+    # A kernel wholly inside another, listed out of order: the union counts it once.
+    events = [("b", 10, 5), ("a", 0, 40), ("c", 60, 40)]
+    d = decompose(events, steps=1)
+    assert d["busy_us"] == 80 and d["wall_us"] == 100
+    assert d["idle_fraction"] == pytest.approx(0.2)
+
+
+def test_decompose_no_gaps_is_zero_idle():
+    d = decompose([("gemv", 0, 10), ("gemv", 10, 10)], steps=1)
+    assert d["idle_fraction"] == 0
+
+
+@pytest.mark.parametrize("events,steps,match", [
+    ([], 1, "no kernel events"),
+    ([("gemv", 0, 10)], 0, "steps"),
+    ([("gemv", 0, -1)], 1, "negative"),
+    ([("gemv", 0)], 1, "event 0"),
+    ([("gemv", 0, 0)], 1, "zero duration"),
+])
+def test_decompose_rejects_bad_input(events, steps, match):
+    with pytest.raises(ValueError, match=match):
+        decompose(events, steps)

@@ -1,0 +1,161 @@
+"""records/store.py on real files: round trip, concurrent writers, torn lines, validation."""
+import json
+import multiprocessing as mp
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from records.store import SCHEMA, append, load, make_record, provenance
+
+
+def _bench(**results):
+    return make_record("bench", preset="tiny", dtype="bfloat16", device="cpu", weights="random:0",
+                       params={"phase": "decode", "context": 128}, results=results)
+
+
+def test_round_trip(tmp_path):
+    rec = _bench(tok_s=np.float32(12.5), peer="hf", peer_tok_s=torch.tensor(6.7, dtype=torch.float64),
+                 samples_ms=[1.0, 2.0], roofline_fraction=0.5)
+    path = append(rec, root=tmp_path)
+    assert path == tmp_path / "bench.jsonl"
+    got = load(root=tmp_path)
+    assert got.problems == []
+    assert got.records == [json.loads(json.dumps(rec))]
+    row = got.df.iloc[0]
+    assert row["results.tok_s"] == 12.5 and row["results.peer_tok_s"] == 6.7
+    assert row["params.phase"] == "decode" and row["machine.host"] == rec["machine"]["host"]
+    assert rec["schema"] == SCHEMA and re.fullmatch(r"[0-9a-f]{32}", rec["id"])
+    assert rec["time"].endswith("+00:00")
+
+
+def test_load_filters_kinds_and_sorts_by_time(tmp_path):
+    first = make_record("gate_a", preset="tiny", dtype="float32", device="cpu", weights="w", params={},
+                        results={"score": 128, "total": 128, "passed": True})
+    second = _bench(tok_s=1.0)
+    append(second, root=tmp_path)
+    append(first, root=tmp_path)
+    assert [r["id"] for r in load(root=tmp_path).records] == [first["id"], second["id"]]
+    assert [r["id"] for r in load(kinds=["gate_a"], root=tmp_path).records] == [first["id"]]
+    assert load(kinds="nightly", root=tmp_path).records == []
+    with pytest.raises(ValueError, match="unknown record kinds"):
+        load(kinds=["gate_c"], root=tmp_path)
+
+
+def test_records_dir_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIMI_RECORDS_DIR", str(tmp_path / "elsewhere"))
+    assert append(_bench(tok_s=1.0)) == tmp_path / "elsewhere" / "bench.jsonl"
+    assert len(load().records) == 1
+
+
+def _append_many(root: str, worker: int, n: int) -> None:
+    for i in range(n):
+        append(make_record("bench", preset="tiny", dtype="bfloat16", device="cpu", weights="w",
+                           params={"worker": worker, "i": i}, results={"pad": "x" * 300}), root=root)
+
+
+def test_two_processes_append_whole_lines(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_append_many, args=(str(tmp_path), w, 1000)) for w in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    lines = (tmp_path / "bench.jsonl").read_bytes().split(b"\n")
+    assert lines[-1] == b"" and len(lines) == 2001
+    got = load(root=tmp_path)
+    assert got.problems == []
+    assert len({r["id"] for r in got.records}) == 2000
+    for w in range(2):  # each writer's records all arrived, in its own order
+        mine = [r["params"]["i"] for r in got.records if r["params"]["worker"] == w]
+        assert mine == list(range(1000))
+
+
+def test_torn_line_is_reported_and_the_rest_survive(tmp_path):
+    good = [_bench(tok_s=float(i)) for i in range(3)]
+    for r in good[:2]:
+        append(r, root=tmp_path)
+    path = tmp_path / "bench.jsonl"
+    whole = json.dumps(good[2]).encode()
+    with open(path, "ab") as f:  # a writer killed half-way through its line
+        f.write(whole[: len(whole) // 2])
+    got = load(root=tmp_path)
+    assert [r["id"] for r in got.records] == [r["id"] for r in good[:2]]
+    assert len(got.problems) == 1 and got.problems[0].startswith(f"{path}:3: torn or invalid JSON line")
+
+    after = _bench(tok_s=99.0)
+    append(after, root=tmp_path)
+    got = load(root=tmp_path)
+    assert [r["id"] for r in got.records] == [good[0]["id"], good[1]["id"], after["id"]]
+    assert len(got.problems) == 1 and f"{path}:3:" in got.problems[0]
+
+
+def test_lines_without_required_fields_or_wrong_kind_are_reported(tmp_path):
+    append(_bench(tok_s=1.0), root=tmp_path)
+    with open(tmp_path / "bench.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "bench", "results": {}}) + "\n")
+        f.write("[1, 2]\n")
+        f.write(json.dumps(make_record("kernel", preset="tiny", dtype="float32", device="cpu", weights="w",
+                                       params={}, results={"ours_ms": 1.0})) + "\n")
+    got = load(root=tmp_path)
+    assert len(got.records) == 1
+    assert len(got.problems) == 3
+    assert "lacks fields" in got.problems[0] and "schema" in got.problems[0]
+    assert "not a record object" in got.problems[1]
+    assert "of kind 'kernel' in the 'bench' file" in got.problems[2]
+
+
+def test_invalid_needs_a_reason():
+    with pytest.raises(ValueError, match="INVALID record needs at least one reason"):
+        make_record("gate_b", preset="tiny", dtype="float32", device="cpu", weights="w", params={},
+                    results={}, verdict="INVALID")
+    rec = make_record("gate_b", preset="tiny", dtype="float32", device="cpu", weights="w", params={},
+                      results={}, verdict="INVALID", reasons=["golden from another weights fingerprint"])
+    assert rec["verdict"] == "INVALID"
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(kind="gate_c"), "kind 'gate_c' is unknown"),
+    (dict(verdict="PASS"), "verdict 'PASS'"),
+    (dict(reasons="one reason"), "reasons must be a list"),
+    (dict(results={"x": np.zeros(3)}), r"results\.x is a numpy\.ndarray"),
+    (dict(params={"f": object()}), r"params\.f is a builtins\.object"),
+    (dict(params={1: 2}), "non-string keys"),
+    (dict(dtype=torch.bfloat16), "dtype must be a string"),
+])
+def test_bad_input_is_refused(bad, match):
+    kw = dict(kind="bench", preset="tiny", dtype="bfloat16", device="cpu", weights="w", params={}, results={})
+    kw.update(bad)
+    kind = kw.pop("kind")
+    with pytest.raises((TypeError, ValueError), match=match):
+        make_record(kind, **kw)
+
+
+def test_nonfinite_values_become_null_with_a_reason(tmp_path):
+    rec = _bench(tok_s=float("nan"), samples_ms=[1.0, np.float64("inf")])
+    assert rec["verdict"] == "INVALID"
+    assert rec["results"]["tok_s"] is None and rec["results"]["samples_ms"] == [1.0, None]
+    assert rec["reasons"] == ["results.tok_s was nan; stored as null", "results.samples_ms[1] was inf; stored as null"]
+    append(rec, root=tmp_path)
+    assert load(root=tmp_path).records[0]["reasons"] == rec["reasons"]
+
+    hand_built = dict(_bench(tok_s=1.0), results={"tok_s": float("nan")})
+    with pytest.raises(ValueError, match="NaN or inf"):
+        append(hand_built, root=tmp_path)
+    with pytest.raises(ValueError, match="lacks fields id"):
+        append({k: v for k, v in rec.items() if k != "id"}, root=tmp_path)
+
+
+def test_provenance_on_this_cpu_box():
+    prov = provenance()
+    assert prov is provenance()  # cached per process
+    m = prov["machine"]
+    assert m["gpu"] is None and m["driver"] is None
+    assert m["torch"] == torch.__version__ and m["cuda"] == torch.version.cuda
+    assert m["host"] and m["python"] and m["cpu"]
+    commit = prov["git"]["commit"]
+    assert commit is None or re.fullmatch(r"[0-9a-f]{40}", commit)
+    assert prov["git"]["dirty"] in (True, False, None)
+

@@ -1,0 +1,119 @@
+"""reports/regress.py on synthetic histories: a planted slowdown is flagged, run-to-run noise is not."""
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from records.store import make_record
+from reports import regress
+
+T0 = datetime(2026, 8, 1, tzinfo=timezone.utc)
+FIXTURE = Path(__file__).parent / "fixtures" / "records"
+
+
+def bench_run(rng, hour: int, slowdown: float = 1.0, *, host="h200-a", gpu="NVIDIA H200", context=2048,
+              median_ms=2.5, drift=0.015, n=64) -> dict:
+    """One run: per-token latencies ~ lognormal around `median_ms`, with a run-level drift (clocks, placement)
+    and AR(1) per-sample jitter, so samples within a run are autocorrelated like real ones."""
+    jitter = np.empty(n)
+    jitter[0] = rng.normal(0, 0.02)
+    for i in range(1, n):
+        jitter[i] = 0.8 * jitter[i - 1] + rng.normal(0, 0.012)
+    samples = median_ms * slowdown * np.exp(rng.normal(0, drift) + jitter)
+    rec = make_record("bench", preset="48b-a3b", dtype="bfloat16", device="cuda", weights="random:0",
+                      params={"phase": "decode", "context": context},
+                      results={"tok_s": 1000 / float(np.mean(samples)), "samples_ms": samples.tolist()})
+    rec["time"] = (T0 + timedelta(hours=hour)).isoformat()
+    rec["machine"] = {**rec["machine"], "host": host, "gpu": gpu}
+    return rec
+
+
+def history(seed: int, runs: int = 8, **kw) -> tuple[np.random.Generator, list[dict]]:
+    rng = np.random.default_rng(seed)
+    return rng, [bench_run(rng, h, **kw) for h in range(runs)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_planted_slowdown_is_flagged(seed):
+    rng, hist = history(seed)
+    result = regress.check(bench_run(rng, 100, slowdown=1.10), hist)
+    assert result.verdict == "regression", result.message
+    assert 1.06 < result.ratio < 1.15 and result.p_value < regress.ALPHA
+    assert len(result.history_ids) == regress.HISTORY_RUNS
+
+
+def test_run_to_run_noise_is_not_flagged_though_its_p_values_are_tiny():
+    p_values = []
+    for seed in range(20):
+        rng, hist = history(100 + seed)
+        result = regress.check(bench_run(rng, 100), hist)
+        assert result.verdict == "ok", f"seed {seed}: {result.message}"
+        p_values.append(result.p_value)
+    # Why the effect-size bar exists: autocorrelated samples make the test alone flag pure drift.
+    assert sum(p < regress.ALPHA for p in p_values) >= 3, p_values
+
+
+def test_a_speedup_is_not_a_regression():
+    rng, hist = history(7)
+    assert regress.check(bench_run(rng, 100, slowdown=0.85), hist).verdict == "ok"
+
+
+def test_insufficient_history():
+    rng, hist = history(8, runs=regress.MIN_HISTORY_RUNS - 1)
+    result = regress.check(bench_run(rng, 100, slowdown=1.5), hist)
+    assert result.verdict == "insufficient-history"
+    assert result.p_value is None and result.ratio is None
+    assert f"need {regress.MIN_HISTORY_RUNS}" in result.message
+
+
+def test_only_earlier_runs_count_as_history():
+    rng, hist = history(9)
+    first = hist[0]
+    assert regress.check(first, hist).verdict == "insufficient-history"
+    assert regress.check(hist[4], hist).history_ids == tuple(r["id"] for r in hist[:4])
+
+
+def test_other_machines_and_contexts_do_not_mix():
+    rng = np.random.default_rng(10)
+    fast_elsewhere = ([bench_run(rng, h, host="h200-b", median_ms=2.0) for h in range(8)]
+                      + [bench_run(rng, h, gpu="NVIDIA H100", median_ms=2.0) for h in range(8)]
+                      + [bench_run(rng, h, context=128, median_ms=2.0) for h in range(8)])
+    # Against the 2.0 ms runs of other fingerprints, a 2.5 ms run would be a 25% slowdown.
+    assert regress.check(bench_run(rng, 100), fast_elsewhere).verdict == "insufficient-history"
+    own = [bench_run(rng, h) for h in range(8)]
+    result = regress.check(bench_run(rng, 100), fast_elsewhere + own)
+    assert result.verdict == "ok" and set(result.history_ids) == {r["id"] for r in own}
+
+
+def test_invalid_runs_are_not_history():
+    rng, hist = history(11)
+    for r in hist:
+        r["verdict"], r["reasons"] = "INVALID", ["clocks throttled"]
+    assert regress.check(bench_run(rng, 100, slowdown=1.2), hist).verdict == "insufficient-history"
+
+
+def test_check_latest_flags_only_the_slowed_configuration():
+    rng = np.random.default_rng(12)
+    records = [bench_run(rng, h, context=c) for h in range(6) for c in (128, 2048)]
+    records += [bench_run(rng, 10, context=128), bench_run(rng, 10, context=2048, slowdown=1.12)]
+    verdicts = {r.key[4]: r.verdict for r in regress.check_latest(records)}
+    assert verdicts == {128: "ok", 2048: "regression"}
+
+
+def test_bad_records_are_named():
+    rng, hist = history(13, runs=3)
+    bad = bench_run(rng, 100)
+    bad["results"]["samples_ms"] = [1.0, float("nan")]
+    with pytest.raises(ValueError, match=rf"{bad['id']}.*samples_ms"):
+        regress.check(bad, hist)
+    del bad["params"]["context"]
+    with pytest.raises(KeyError, match="params.context"):
+        regress.check(bad, hist)
+
+
+def test_cli_on_the_fixture_history_exits_1_for_the_planted_slowdown(capsys):
+    assert regress.main(["--records", str(FIXTURE)]) == 1
+    out = capsys.readouterr().out
+    flagged = [line for line in out.splitlines() if line.strip().startswith("regression")]
+    assert len(flagged) == 1 and "/decode/8192/" in flagged[0]

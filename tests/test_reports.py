@@ -1,0 +1,167 @@
+"""reports/render.py on the fixture history (tests/fixtures/records, written by tests/fixtures/make_history.py)."""
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from records.store import load
+from reports import render
+
+FIXTURES = Path(__file__).parent / "fixtures"
+RECORDS = FIXTURES / "records"
+PLOTS = {"speed_decode", "speed_prefill", "history_decode", "history_prefill", "gates", "decomposition", "kernels",
+         "memory"}
+CHROMIUM = shutil.which("chromium")  # Debian/Ubuntu package `chromium`
+
+
+def is_blank(png: Path, threshold: float = 1e-3) -> bool:
+    """A PNG whose pixel values barely vary (one flat colour) shows nothing."""
+    return float(np.var(matplotlib.image.imread(png)[..., :3])) < threshold
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    sections = render.render(RECORDS, out)
+    return out, sections, (out / "index.html").read_text(), (out / "SUMMARY.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def fixture_records():
+    return {r["id"]: r for r in load(root=RECORDS).records}
+
+
+def short(r):
+    return r["id"][:8]
+
+
+def the(records, pred):
+    found = [r for r in records.values() if pred(r)]
+    assert len(found) == 1, f"expected one fixture record, found {len(found)}"
+    return found[0]
+
+
+def test_fixture_files_are_what_make_history_writes(tmp_path):
+    spec = importlib.util.spec_from_file_location("make_history", FIXTURES / "make_history.py")
+    make_history = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_history)
+    make_history.main(tmp_path)
+    committed = sorted(p.name for p in RECORDS.glob("*.jsonl"))
+    assert committed == sorted(p.name for p in tmp_path.glob("*.jsonl"))
+    for name in committed:
+        assert (tmp_path / name).read_bytes() == (RECORDS / name).read_bytes(), f"{name}: rerun make_history.py"
+
+
+def test_html_names_every_plot_and_every_plot_shows_something(report):
+    out, _, page, _ = report
+    files = {p.stem for p in (out / "figures").glob("*.png")}
+    assert files == PLOTS
+    for name in PLOTS:
+        assert f"src='figures/{name}.png'" in page
+        assert not is_blank(out / "figures" / f"{name}.png"), name
+
+
+def test_blank_check_catches_a_blank_png(tmp_path):
+    matplotlib.image.imsave(tmp_path / "blank.png", np.ones((50, 80, 3)))
+    assert is_blank(tmp_path / "blank.png")
+
+
+def test_every_figure_and_table_cites_records_with_machine_and_commit(report):
+    _, sections, _, _ = report
+    cited = [b.source for s in sections for b in s.blocks if isinstance(b, (render.Figure, render.Table)) and b.source]
+    assert len(cited) >= 10
+    for source in cited:
+        assert re.search(r"records [0-9a-f]{8}.*\(NVIDIA H200 @ h200-a, commit [0-9a-f]{7}\)", source), source
+
+
+def test_summary_cites_the_planted_findings(report, fixture_records):
+    _, _, _, summary = report
+    slow = max((r for r in fixture_records.values() if r["kind"] == "bench" and r["params"]["context"] == 8192
+                and r["params"]["phase"] == "decode"), key=lambda r: r["time"])
+    assert re.search(rf"\| {short(slow)} \|[^\n]*\| REGRESSION \|", summary)
+    failed = the(fixture_records, lambda r: r["kind"] == "gate_b" and not r["results"]["passed"])
+    assert re.search(rf"\| {short(failed)} \| gate_b \|[^\n]*\| 7 \| 11 \|[^\n]*near-tie", summary)
+    assert f"| {short(failed)} | " in summary and "127/128 | FAIL" in summary
+    for kind in ("decomposition", "kernel", "memory"):
+        for r in (r for r in fixture_records.values() if r["kind"] == kind):
+            assert short(r) in summary, (kind, short(r))
+
+
+def test_invalid_records_are_listed_and_kept_out_of_speed_plots(report, fixture_records):
+    _, sections, page, _ = report
+    bad = the(fixture_records, lambda r: r["verdict"] == "INVALID")
+    invalid = next(s for s in sections if s.title == "INVALID records")
+    table = next(b for b in invalid.blocks if isinstance(b, render.Table))
+    assert [short(bad), "bench"] == table.rows[0][:2] and "throttled" in table.rows[0][-1]
+    for s in sections:
+        if s.title != "INVALID records":
+            for b in s.blocks:
+                if isinstance(b, (render.Figure, render.Table)):
+                    assert short(bad) not in b.source, s.title
+    assert "throttled" in page
+
+
+def test_torn_line_is_shown_at_the_top(report):
+    _, sections, page, summary = report
+    assert sections[0].title == "Unreadable record lines"
+    problems = next(b for b in sections[0].blocks if isinstance(b, render.Table)).rows
+    assert len(problems) == 1 and "bench.jsonl" in problems[0][0] and "torn" in problems[0][0]
+    assert page.index("torn or invalid JSON line") < page.index("Speed against context length")
+    assert summary.index("torn or invalid JSON line") < summary.index("Speed against context length")
+
+
+def test_seed_bar_is_labelled_and_cites_the_seed_document(report):
+    _, sections, page, _ = report
+    decomp = next(s for s in sections if s.title == "Decode time decomposition")
+    fig = next(b for b in decomp.blocks if isinstance(b, render.Figure))
+    assert render.SEED_CITATION in fig.source and "seed/000_49c5fcef6bd17615" in fig.source
+    assert render.SEED_LABEL == "seed (GB10, published)" and render.SEED_LABEL in page
+    assert sum(render.SEED_SHARES.values()) == pytest.approx(1.0)
+
+
+def test_empty_records_say_so(tmp_path):
+    out = tmp_path / "out"
+    render.render(tmp_path / "no-records", out)
+    summary = (out / "SUMMARY.md").read_text()
+    assert summary.count(render.NO_RECORDS) >= 6
+    assert not list((out / "figures").glob("*.png"))
+    assert "<h2>Gates</h2>" in (out / "index.html").read_text()
+
+
+def test_a_section_that_loses_its_records_drops_its_stale_figure(tmp_path):
+    records = tmp_path / "records"
+    records.mkdir()
+    shutil.copy(RECORDS / "kernel.jsonl", records)
+    render.render(records, tmp_path / "out")
+    assert {p.stem for p in (tmp_path / "out" / "figures").glob("*.png")} == {"kernels"}
+    (records / "kernel.jsonl").unlink()
+    shutil.copy(RECORDS / "memory.jsonl", records)
+    render.render(records, tmp_path / "out")
+    assert {p.stem for p in (tmp_path / "out" / "figures").glob("*.png")} == {"memory"}
+
+
+def test_cli(tmp_path):
+    render.main(["--records", str(RECORDS), "--out", str(tmp_path)])
+    assert (tmp_path / "index.html").exists() and (tmp_path / "SUMMARY.md").exists()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")
+def test_page_shows_in_headless_chromium(report, tmp_path):
+    out, _, _, _ = report
+    shot = tmp_path / "shot.png"
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync", "--no-first-run",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1280,2000",
+                    (out / "index.html").as_uri()], check=True, capture_output=True, timeout=120)
+    assert not is_blank(shot)
+    # The first figure is inside the first 2000 px: the images loaded, not just the text.
+    pixels = matplotlib.image.imread(shot)[..., :3]
+    assert pixels.shape[:2] == (2000, 1280)
+    assert np.any(np.all(np.abs(pixels - np.array([0x2C, 0xA0, 0x2C]) / 255) < 0.02, axis=-1)), \
+        "no plot colour (matplotlib green, 'ours') in the screenshot"
