@@ -123,9 +123,7 @@ class MultiLatentAttention(nn.Module):
         kv = self.kv_b_proj(c).view(B, S, self.H, self.dn + self.dv).transpose(1, 2)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(B, self.H, S, self.P)], dim=-1)
-        # causal over absolute positions: query i (at start+i) sees keys 0..start+i
-        mask = None if start == 0 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(start)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0, scale=self.scale)
+        o = ops.mla_prefill_attention(q, k, v, self.scale)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.H * self.dv))
 
     def decode(self, x: torch.Tensor, cache: MLACache, pos: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from . import kda, norms
 
@@ -78,6 +79,19 @@ def gated_rmsnorm(o, gate, weight, eps):
 
 
 # ---- MLA ----------------------------------------------------------------------------------------
+def mla_prefill_attention(q, k, v, scale):
+    """Causal attention of T queries over S >= T keys, aligned at the end (query i sits at position S-T+i).
+
+    q, k [B,H,T|S,192], v [B,H,S,128]. On CUDA, v is zero-padded to q's head dim so the flash kernel applies
+    (it needs equal head dims); the padded output columns are exactly zero and are dropped.
+    """
+    T, S, dv = q.shape[2], k.shape[2], v.shape[-1]
+    mask = causal_lower_right(T, S)
+    if q.is_cuda and dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :dv]
+
+
 def mla_decode_attention(q_lat, q_pe, c, k_pe, pos, scale):
     """Attention of one query per head over the latent cache, positions 0..pos (a device scalar).
 
@@ -111,11 +125,31 @@ def moe_route_torch(logits, bias, k, scaling, renorm):
 
 
 def moe_experts(x, idx, w, gate_up, down):
-    """sum_k w[n,k] * down[e](silu(w1[e] x) * w3[e] x) with e = idx[n,k]; x [N,D], idx/w [N,k]."""
-    if _triton(x) and x.shape[0] <= 64:
+    """sum_k w[n,k] * down[e](silu(w1[e] x) * w3[e] x) with e = idx[n,k]; x [N,D], idx/w [N,k].
+
+    Decode-sized batches stream only the chosen experts' rows (Triton); prefill-sized ones sort the
+    (token, expert) pairs by expert and run two grouped GEMMs; the loop is the reference."""
+    if _triton(x) and x.shape[0] <= 16:
         from .triton.moe import fused_moe_small_batch
         return fused_moe_small_batch(x, idx, w, gate_up, down)
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+        return moe_experts_grouped(x, idx, w, gate_up, down)
     return moe_experts_torch(x, idx, w, gate_up, down)
+
+
+def moe_experts_grouped(x, idx, w, gate_up, down):
+    """Grouped-GEMM form: one GEMM launch per projection for all experts (prefill)."""
+    N, K = idx.shape
+    E, I = gate_up.shape[0], down.shape[2]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0, dtype=torch.int32)
+    tok = order // K
+    gu = F.grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs)
+    h = F.silu(gu[:, :I]) * gu[:, I:]
+    out = F.grouped_mm(h, down.transpose(1, 2), offs=offs).float() * w.reshape(-1)[order, None]
+    y = torch.zeros(N, down.shape[1], dtype=torch.float32, device=x.device)
+    return y.index_add_(0, tok, out).to(x.dtype)
 
 
 def moe_experts_torch(x, idx, w, gate_up, down):

@@ -64,13 +64,19 @@ def fingerprint(record: dict) -> tuple:
 def _samples(record: dict) -> np.ndarray:
     samples = np.asarray(_field(record, "results.samples_ms"), dtype=float)
     if samples.ndim != 1 or samples.size == 0 or not np.all(np.isfinite(samples)):
-        raise ValueError(f"record {record.get('id', '?')!r}: results.samples_ms must be a non-empty list of finite numbers")
+        raise ValueError(f"record {record.get('id', '?')!r}: results.samples_ms must be a non-empty list of "
+                         f"finite numbers")
     return samples
 
 
-def _comparable(record: dict) -> bool:
-    return (record.get("kind") == "bench" and record.get("verdict") == "VALID"
-            and bool((record.get("results") or {}).get("samples_ms")))
+def comparable(record: dict) -> bool:
+    """A VALID bench record with latency samples and every fingerprint field: one that can be checked."""
+    try:
+        fingerprint(record)
+        samples = _field(record, "results.samples_ms")
+    except KeyError:
+        return False
+    return record.get("kind") == "bench" and record.get("verdict") == "VALID" and bool(samples)
 
 
 def check(new: dict, history: list[dict], k: int = HISTORY_RUNS) -> Regression:
@@ -78,7 +84,7 @@ def check(new: dict, history: list[dict], k: int = HISTORY_RUNS) -> Regression:
     key = fingerprint(new)
     new_samples = _samples(new)
     new_median = float(np.median(new_samples))
-    earlier = sorted((r for r in history if _comparable(r) and r["id"] != new["id"]
+    earlier = sorted((r for r in history if comparable(r) and r["id"] != new["id"]
                       and fingerprint(r) == key and r["time"] < new["time"]), key=lambda r: r["time"])[-k:]
     hist_ids = tuple(r["id"] for r in earlier)
     if len(earlier) < MIN_HISTORY_RUNS:
@@ -105,7 +111,7 @@ def check_latest(records: list[dict], k: int = HISTORY_RUNS) -> list[Regression]
     """Check the latest VALID run of every bench fingerprint against its own history."""
     latest: dict[tuple, dict] = {}
     for r in records:
-        if _comparable(r):
+        if comparable(r):
             key = fingerprint(r)
             if key not in latest or r["time"] > latest[key]["time"]:
                 latest[key] = r

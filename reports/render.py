@@ -25,6 +25,7 @@ from benchmarks.categories import CATEGORY_NAMES  # noqa: E402
 from reports import regress  # noqa: E402
 
 NO_RECORDS = "no records yet"
+OURS_COLOR = "tab:green"  # ours is drawn in one colour in every speed plot
 GiB = 1 << 30
 
 # The seed's published decode decomposition (nsys on GB10). It is a document, not a record: cited as such.
@@ -104,6 +105,15 @@ def latest_by(records: list[dict], key) -> dict:
     return out
 
 
+def usable(records: list[dict], fields: tuple[str, ...], what: str) -> tuple[list[dict], list[str]]:
+    """The records that have every one of `fields`, and a note naming those left out (never dropped silently)."""
+    ok = [r for r in records if all(get(r, f) is not None for f in fields)]
+    left = [r for r in records if r not in ok]
+    if not left:
+        return ok, []
+    return ok, [f"{len(left)} {what} record(s) lack one of {', '.join(fields)} and are not drawn: {cite(left)}"]
+
+
 def fmt(x, spec: str | None = None) -> str:
     """'—' for a missing value; by default 4 significant digits, thousands as 41,000."""
     if x is None:
@@ -162,6 +172,7 @@ def series_label(r: dict) -> str:
 
 def speed_section(bench: list[dict], out: Path) -> Section:
     s = Section("Speed against context length")
+    bench, s.blocks = usable(bench, ("params.phase", "params.context", "results.tok_s"), "bench")
     for phase in ("decode", "prefill"):
         rs = [r for r in bench if get(r, "params.phase") == phase]
         if not rs:
@@ -182,7 +193,8 @@ def speed_section(bench: list[dict], out: Path) -> Section:
                 (get(r, "params.context"), get(r, "results.peer_tok_s")))
         for (who, label), points in sorted(lines.items()):
             x, y = zip(*sorted(points))
-            style = {"ours": dict(marker="o", lw=2), "roofline": dict(ls="--", color="black")}.get(who, dict(marker="s"))
+            style = {"ours": dict(marker="o", lw=2, color=OURS_COLOR),
+                     "roofline": dict(ls="--", color="black")}.get(who, dict(marker="s"))
             ax.plot(x, y, label=f"{who}: {label}", **style)
         ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="tokens/s",
                title=f"{phase} speed (latest run per configuration)")
@@ -206,7 +218,8 @@ def history_section(bench: list[dict], out: Path) -> Section:
     if not bench:
         s.blocks.append(NO_RECORDS)
         return s
-    verdicts = {r["id"]: regress.check(r, bench) for r in bench if get(r, "results.samples_ms")}
+    verdicts = {r["id"]: regress.check(r, bench) for r in bench if regress.comparable(r)}
+    bench, s.blocks = usable(bench, ("params.phase", "params.context", "results.tok_s"), "bench")
     for phase in ("decode", "prefill"):
         rs = sorted((r for r in bench if get(r, "params.phase") == phase), key=lambda r: r["time"])
         if not rs:
@@ -238,19 +251,32 @@ def history_section(bench: list[dict], out: Path) -> Section:
         f"max({regress.MIN_SLOWDOWN:.0%}, {regress.MAD_FACTOR:g} MAD) agree. Latest run per configuration, plus every "
         f"flagged run:")
     s.blocks.append(Table(["record", "time", "configuration", "verdict", "median ms", "vs history", "p", "why"],
-                          [[short_id(r), r["time"], f"{get(r, 'params.phase')} ctx {get(r, 'params.context')} "
-                            f"{series_label(r)} @ {get(r, 'machine.host')}", v.verdict.upper() if v.verdict ==
-                            "regression" else v.verdict, fmt(v.new_median), fmt(v.ratio and v.ratio - 1, "+.1%"),
-                            fmt(v.p_value, ".2g"), v.message] for r in shown for v in [verdicts[r["id"]]]], cite(shown)))
+                          [regression_row(r, verdicts[r["id"]]) for r in shown], cite(shown)))
     return s
+
+
+def regression_row(r: dict, v: regress.Regression) -> list[str]:
+    config = f"{get(r, 'params.phase')} ctx {get(r, 'params.context')} {series_label(r)} @ {get(r, 'machine.host')}"
+    change = None if v.ratio is None else v.ratio - 1
+    verdict = v.verdict.upper() if v.verdict == "regression" else v.verdict  # stands out in a column of "ok"
+    return [short_id(r), r["time"], config, verdict, fmt(v.new_median), fmt(change, "+.1%"), fmt(v.p_value, ".2g"),
+            v.message]
+
+
+def diagnosis_row(r: dict, d: dict) -> list[str]:
+    """One `results.diagnoses` entry, as gates/compare.py's Divergence.to_dict() writes it."""
+    side = lambda which: f"{get(d, which + '.name', which)}: {get(d, which + '.token', '?')}"
+    margin = lambda which: ("≥ " if get(d, which + ".lower_bound") else "") + fmt(get(d, which + ".nats"))
+    return [short_id(r), r["kind"], commit(r), str(d.get("prompt")), str(d.get("step")), side("ref"), side("test"),
+            f"{margin('ref_margin')} / {margin('test_margin')}", fmt(d.get("eps")), str(d.get("verdict"))]
 
 
 def gates_section(gates: list[dict], out: Path) -> Section:
     s = Section("Gates")
+    gates, s.blocks = usable(sorted(gates, key=lambda r: r["time"]), ("results.score", "results.total"), "gate")
     if not gates:
         s.blocks.append(NO_RECORDS)
         return s
-    gates = sorted(gates, key=lambda r: r["time"])
     fig, ax = plt.subplots(figsize=(9, 3.5))
     for kind, marker in (("gate_a", "o"), ("gate_b", "s")):
         rs = [r for r in gates if r["kind"] == kind]
@@ -275,12 +301,11 @@ def gates_section(gates: list[dict], out: Path) -> Section:
                             "PASS" if get(r, "results.passed") else "FAIL", r["verdict"]] for r in gates], cite(gates)))
     diag = [(r, d) for r in gates for d in get(r, "results.diagnoses", [])]
     if diag:
-        s.blocks.append("Diagnoses of mismatches (first divergent step; near-tie = both tokens in the other's top-5 "
-                        "with a logit margin under epsilon):")
-        s.blocks.append(Table(["record", "gate", "commit", "prompt", "step", "ours", "theirs", "margin", "diagnosis"],
-                              [[short_id(r), r["kind"], commit(r), str(d.get("prompt")), str(d.get("step")),
-                                str(d.get("ours")), str(d.get("theirs")), fmt(d.get("margin")), str(d.get("verdict"))]
-                               for r, d in diag], cite([r for r, _ in diag])))
+        s.blocks.append("Diagnoses of mismatches (gates/compare.py: first divergent step per prompt; near-tie = each "
+                        "token in the other's top-5 and both margins under eps):")
+        s.blocks.append(Table(["record", "gate", "commit", "prompt", "step", "reference chose", "tested chose",
+                               "margins (nats, ref / test)", "eps", "diagnosis"],
+                              [diagnosis_row(r, d) for r, d in diag], cite([r for r, _ in diag])))
     return s
 
 
@@ -310,8 +335,8 @@ def decomposition_section(decomps: list[dict], out: Path) -> Section:
     s.blocks.append(Figure(save(fig, out, "decomposition"), "decode decomposition, ours vs seed", src))
     s.blocks.append(Table(["category", "ours", SEED_LABEL],
                           [[c, fmt(shares.get(c), ".1%"), fmt(SEED_SHARES.get(c), ".1%")] for c in cats]
-                          + [["idle (of wall time)", fmt(get(ours, "results.idle_fraction"), ".1%"), f"{SEED_IDLE:.0%}"],
-                             ["ms per step", fmt(get(ours, "results.step_ms")), "—"]], src))
+                          + [["idle (of wall time)", fmt(get(ours, "results.idle_fraction"), ".1%"),
+                              f"{SEED_IDLE:.0%}"], ["ms per step", fmt(get(ours, "results.step_ms")), "—"]], src))
     return s
 
 
@@ -338,7 +363,8 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(latest) + 1.5))
     y = range(len(latest))
     ax.barh([i - 0.2 for i in y], [get(r, "results.ours_ms", 0) for r in latest], height=0.4, label="ours")
-    ax.barh([i + 0.2 for i in y], [get(r, "results.peer_ms", 0) for r in latest], height=0.4, label="peer")
+    ax.barh([i + 0.2 for i in y], [get(r, "results.peer_ms", 0) for r in latest], height=0.4,
+            label="peer: " + ", ".join(sorted({str(get(r, "results.peer", "?")) for r in latest})))
     ax.set_yticks(list(y), labels, fontsize=7)
     ax.set(xscale="log", xlabel="ms per call", title="kernel timings (latest per kernel and GPU)")
     ax.invert_yaxis()
@@ -354,8 +380,8 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
 
 
 def memory_section(memory: list[dict], out: Path) -> Section:
-    """Memory records: results.decision ('ok'|'refused'|'tripped'), projected_bytes, measured_peak_bytes,
-    free_before_bytes, floor_bytes, audit_ok, message."""
+    """Memory records as gates/gate_memory.py writes them: results.decision ('ran'|'refused'|'tripped'|'skipped'),
+    passed, projected_bytes, floor_bytes, free_before_bytes, measured_peak_bytes, min_free_bytes, audit {ok, ratio}."""
     s = Section("Memory audit")
     if not memory:
         s.blocks.append(NO_RECORDS)
@@ -369,7 +395,8 @@ def memory_section(memory: list[dict], out: Path) -> Section:
                 label="projected peak")
         ax.barh([i + 0.2 for i in y], [get(r, "results.measured_peak_bytes") / GiB for r in measured], height=0.4,
                 label="measured peak")
-        allowed = [(i, get(r, "results.free_before_bytes") - get(r, "results.floor_bytes")) for i, r in enumerate(measured)
+        allowed = [(i, get(r, "results.free_before_bytes") - get(r, "results.floor_bytes"))
+                   for i, r in enumerate(measured)
                    if get(r, "results.free_before_bytes") is not None and get(r, "results.floor_bytes") is not None]
         if allowed:
             ax.scatter([a / GiB for _, a in allowed], [i for i, _ in allowed], marker="|", s=900, color="red",
@@ -380,14 +407,17 @@ def memory_section(memory: list[dict], out: Path) -> Section:
         ax.invert_yaxis()
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         s.blocks.append(Figure(save(fig, out, "memory"), "memory projected vs measured", cite(measured)))
-    gib = lambda r, f: fmt(get(r, f"results.{f}") and get(r, f"results.{f}") / GiB, ".2f")
+    gib = lambda r, f: fmt(None if get(r, f"results.{f}") is None else get(r, f"results.{f}") / GiB, ".2f")
+    audit = lambda r: ("—" if get(r, "results.audit") is None else
+                       ("OK" if get(r, "results.audit.ok") else "FAILED")
+                       + f" ({fmt(get(r, 'results.audit.ratio'), '.3f')}x)")
     s.blocks.append(Table(
-        ["record", "time", "machine", "commit", "preset", "floor decision", "free before GiB", "floor GiB",
-         "projected GiB", "measured GiB", "audit", "message"],
-        [[short_id(r), r["time"], machine(r), commit(r), str(r["preset"]), str(get(r, "results.decision", "—")),
-          gib(r, "free_before_bytes"), gib(r, "floor_bytes"), gib(r, "projected_bytes"), gib(r, "measured_peak_bytes"),
-          {True: "OK", False: "FAILED"}.get(get(r, "results.audit_ok"), "—"), str(get(r, "results.message", ""))]
-         for r in memory], cite(memory)))
+        ["record", "time", "machine", "commit", "preset", "context", "floor decision", "free before GiB", "floor GiB",
+         "projected GiB", "measured GiB", "min free GiB", "audit (measured/projected)", "reasons"],
+        [[short_id(r), r["time"], machine(r), commit(r), str(r["preset"]), str(get(r, "params.context", "—")),
+          str(get(r, "results.decision", "—")), gib(r, "free_before_bytes"), gib(r, "floor_bytes"),
+          gib(r, "projected_bytes"), gib(r, "measured_peak_bytes"), gib(r, "min_free_bytes"), audit(r),
+          "; ".join(r["reasons"])] for r in memory], cite(memory)))
     return s
 
 

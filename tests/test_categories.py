@@ -34,7 +34,8 @@ NAMES = {
     "memory::LoadWithCast<1>, memory::StoreWithCast<1>>": "cast",
     "Memcpy DtoD (Device -> Device)": "memcpy",
     "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1>>": "memcpy",
-    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3>>": "elementwise",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3>>":
+        "elementwise",
     "void at::native::elementwise_kernel<128, 2, broadcast_lambda>": "elementwise",  # broadcast is not a cast
     "triton_poi_fused_add_mul_silu_3": "elementwise",
     "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, MeanOps<float, float>>>": "reduction",

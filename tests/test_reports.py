@@ -6,11 +6,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import matplotlib.colors
 import matplotlib.image
 import numpy as np
 import pytest
 
-from records.store import load
+from records.store import append, load, make_record
 from reports import render
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -91,6 +92,8 @@ def test_summary_cites_the_planted_findings(report, fixture_records):
     for kind in ("decomposition", "kernel", "memory"):
         for r in (r for r in fixture_records.values() if r["kind"] == kind):
             assert short(r) in summary, (kind, short(r))
+    for r in (r for r in fixture_records.values() if r["kind"] == "memory"):
+        assert re.search(rf"\| {short(r)} \|[^\n]*\| {r['results']['decision']} \|", summary)
 
 
 def test_invalid_records_are_listed_and_kept_out_of_speed_plots(report, fixture_records):
@@ -146,6 +149,23 @@ def test_a_section_that_loses_its_records_drops_its_stale_figure(tmp_path):
     assert {p.stem for p in (tmp_path / "out" / "figures").glob("*.png")} == {"memory"}
 
 
+def test_records_missing_fields_are_named_not_drawn(tmp_path):
+    good = make_record("bench", preset="tiny", dtype="float32", device="cpu", weights="w",
+                       params={"phase": "decode", "context": 128}, results={"tok_s": 50.0})
+    lacking = make_record("bench", preset="tiny", dtype="float32", device="cpu", weights="w",
+                          params={"phase": "decode"}, results={"tok_s": 50.0})
+    no_total = make_record("gate_a", preset="tiny", dtype="float32", device="cpu", weights="w", params={},
+                           results={"score": 3, "passed": False})
+    for r in (good, lacking, no_total):
+        append(r, root=tmp_path / "records")
+    sections = {s.title: s for s in render.render(tmp_path / "records", tmp_path / "out")}
+    speed_notes = [b for b in sections["Speed against context length"].blocks if isinstance(b, str)]
+    assert any(short(lacking) in n and "params.context" in n for n in speed_notes), speed_notes
+    gate_blocks = sections["Gates"].blocks
+    assert short(no_total) in gate_blocks[0] and render.NO_RECORDS in gate_blocks
+    assert (tmp_path / "out" / "figures" / "speed_decode.png").exists()
+
+
 def test_cli(tmp_path):
     render.main(["--records", str(RECORDS), "--out", str(tmp_path)])
     assert (tmp_path / "index.html").exists() and (tmp_path / "SUMMARY.md").exists()
@@ -163,5 +183,5 @@ def test_page_shows_in_headless_chromium(report, tmp_path):
     # The first figure is inside the first 2000 px: the images loaded, not just the text.
     pixels = matplotlib.image.imread(shot)[..., :3]
     assert pixels.shape[:2] == (2000, 1280)
-    assert np.any(np.all(np.abs(pixels - np.array([0x2C, 0xA0, 0x2C]) / 255) < 0.02, axis=-1)), \
-        "no plot colour (matplotlib green, 'ours') in the screenshot"
+    ours = np.array(matplotlib.colors.to_rgb(render.OURS_COLOR))
+    assert np.any(np.all(np.abs(pixels - ours) < 0.02, axis=-1)), "no 'ours' plot line in the screenshot"

@@ -1,0 +1,105 @@
+"""Timing helpers shared by the benchmarks: per-step latencies with CUDA events, whole-call times, summaries,
+and progress lines for unattended runs.
+
+On a CUDA device the times come from CUDA events recorded on the current stream, so they measure what the GPU
+did between two points of the host's launch sequence (including the gaps where it waited for the host); on a
+CPU they come from the host clock, which is the same thing there.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """A progress line with the seconds since the process started, flushed at once (the run is read live)."""
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+
+
+def elapsed_s() -> float:
+    return time.perf_counter() - _T0
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Latencies of consecutive calls: `samples_ms[i]` is call i; `total_ms` runs from the start of the first
+    call to the end of the last (so it also counts whatever ran between calls)."""
+    samples_ms: list[float]
+    total_ms: float
+
+    def __post_init__(self):
+        if not self.samples_ms:
+            raise ValueError("no samples: at least one timed call is needed")
+
+    @property
+    def per_s(self) -> float:
+        """Calls per second over the whole span."""
+        return 1000.0 * len(self.samples_ms) / self.total_ms
+
+    def summary(self) -> dict:
+        return summarize(self.samples_ms)
+
+
+def summarize(samples_ms: list[float]) -> dict:
+    a = np.asarray(samples_ms, dtype=float)
+    if a.size == 0:
+        raise ValueError("no samples to summarize")
+    p10, med, p90 = np.percentile(a, [10, 50, 90])
+    return {"median_ms": float(med), "p10_ms": float(p10), "p90_ms": float(p90)}
+
+
+def time_steps(step: Callable[[], object], n: int, device) -> Samples:
+    """Run `step()` n times back to back and time each call. On CUDA nothing waits for the GPU between
+    calls (events are read after the last one), so the host runs ahead exactly as in a real decode loop."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if torch.device(device).type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for s, e in zip(starts, ends):
+            s.record()
+            step()
+            e.record()
+        ends[-1].synchronize()
+        return Samples([s.elapsed_time(e) for s, e in zip(starts, ends)], starts[0].elapsed_time(ends[-1]))
+    stamps = [time.perf_counter()]
+    for _ in range(n):
+        step()
+        stamps.append(time.perf_counter())
+    ms = [1000.0 * (b - a) for a, b in zip(stamps, stamps[1:])]
+    return Samples(ms, 1000.0 * (stamps[-1] - stamps[0]))
+
+
+def time_calls(fn: Callable[[], object], reps: int, device, setup: Callable[[], object] | None = None) -> Samples:
+    """Time `reps` separate calls of `fn`, each from an idle device to its end; `setup()` runs untimed before
+    each call (e.g. a fresh cache for a prefill)."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    ms = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        sync(device)
+        if torch.device(device).type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            ms.append(s.elapsed_time(e))
+        else:
+            t = time.perf_counter()
+            fn()
+            ms.append(1000.0 * (time.perf_counter() - t))
+    return Samples(ms, float(sum(ms)))

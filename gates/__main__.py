@@ -1,0 +1,87 @@
+"""python -m gates {gate-a,gate-b,gate-memory,golden} [flags]
+
+Flags only: this CLI reads no environment variables (the Makefile maps PRESET, MODEL, DTYPE, DEVICE,
+NEW_TOKENS, FLOOR_GIB, SOURCE, GOLDEN to the flags of the same meaning). Defaults: see gates/run.py.
+Records go to records/<kind>.jsonl (records/store.py decides where; KIMI_RECORDS_DIR moves them).
+
+Exit codes: 0 the gate holds (or the memory gate SKIPs: no GPU); 1 it fails; 2 it could not judge
+(refused by the memory floor, a golden for other weights/prompts, bad arguments or input).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from model.config import PRESETS
+
+from .golden import GOLDEN_DIR, golden_name, make_golden, write_golden
+from .memory import MemoryFloorError
+from .prompts import DEFAULT_NEW_TOKENS
+from .run import (DEFAULT_FLOOR_GIB, DEVICES, DTYPES, EXIT_PASS, EXIT_REFUSED, KERNELS, SOURCES, GateRefused,
+                  Options, floor_guard, battery_for, context_len, load_subject, resolve)
+
+COMMANDS = {
+    "gate-a": "Gate A: incremental decode must give exactly the recompute path's tokens",
+    "gate-b": "Gate B: STRICT md5 match against a golden file",
+    "gate-memory": "memory floor: project, refuse, watch, audit (SKIP without a GPU)",
+    "golden": "make a golden file with HF transformers (--source hf) or our recompute path (--source self)",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--preset", choices=sorted(PRESETS), help="synthetic-weights model (default: see gates/run.py)")
+    common.add_argument("--model", metavar="DIR", help="original-format checkpoint directory (instead of --preset)")
+    common.add_argument("--dtype", choices=list(DTYPES), help="default fp32 on a CPU, bf16 on CUDA")
+    common.add_argument("--device", choices=DEVICES, help="default cuda when available")
+    common.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, help="greedy tokens per prompt (16)")
+    common.add_argument("--floor-gib", type=float, default=DEFAULT_FLOOR_GIB, help="free device memory to keep (15)")
+    common.add_argument("--source", choices=SOURCES, default="hf", help="golden: who generates it (hf)")
+    common.add_argument("--golden", metavar="PATH", help="gate-b: the golden to use (default: lookup in gates/goldens); "
+                                                         "golden: where to write it")
+    common.add_argument("--seed", type=int, default=0, help="synthetic weights seed (0)")
+    common.add_argument("--kernels", choices=KERNELS, default="auto", help="model ops: auto (Triton on CUDA), torch, triton")
+    ap = argparse.ArgumentParser(prog="python -m gates", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, help_ in COMMANDS.items():
+        sub.add_parser(name, parents=[common], help=help_, description=help_)
+    return ap
+
+
+def golden_command(opts: Options) -> int:
+    path = opts.golden or GOLDEN_DIR / golden_name(opts.label, opts.dtype, opts.device, opts.source)
+    b = battery_for(opts)
+    with floor_guard(opts, context_len(b, opts.new_tokens)):
+        # HF on a CPU loads a checkpoint directory itself; a second copy of a real model is not needed there
+        hf_alone = opts.source == "hf" and opts.device == "cpu" and opts.model is not None
+        g = make_golden(opts, None if hf_alone else load_subject(opts))
+    out = write_golden(g, path)
+    print(f"golden {out}: {len(g['prompts'])} prompts x {g['new_tokens']} tokens, md5 {g['md5']}, "
+          f"{g['provenance']['implementation']} {g['dtype']} {g['device']}, weights {g['weights']}")
+    return EXIT_PASS
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        opts = resolve(preset=args.preset, model=args.model, dtype=args.dtype, device=args.device,
+                       new_tokens=args.new_tokens, floor_gib=args.floor_gib, source=args.source,
+                       golden=args.golden, seed=args.seed, kernels=args.kernels)
+        if args.command == "gate-a":
+            from .gate_a import run_gate_a
+            return run_gate_a(opts)
+        if args.command == "gate-b":
+            from .gate_b import run_gate_b
+            return run_gate_b(opts)
+        if args.command == "gate-memory":
+            from .gate_memory import run_memory_gate
+            return run_memory_gate(opts)
+        return golden_command(opts)
+    except (ValueError, GateRefused, MemoryFloorError) as e:  # config, checkpoint, tokenizer, golden errors are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

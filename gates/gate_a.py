@@ -1,0 +1,69 @@
+"""Gate A, token identity: the incremental path (prefill once, then one token a step from the carried state)
+must choose exactly the tokens of the recompute path (the whole sequence re-run every step), for every
+prompt and step of the battery. Reference: recompute; under test: incremental.
+
+Besides the score and the diagnosis of each divergence (`gates.compare`), the record keeps, per prompt and
+step, max |logit_recompute - logit_incremental| while both paths still saw the same context: the margin a
+correct carry leaves (~1e-5 in fp32 on tiny), which tells how close any near-tie came.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from model import ops
+from model.generate import generate_incremental, generate_recompute
+
+from .compare import GateResult, compare_prompt, near_tie_eps
+from .memory import MemoryFloorError
+from .run import (DEFAULT_TOPK, EXIT_FAIL, EXIT_PASS, GateRefused, Options, Subject, battery_for, context_len,
+                  floor_guard, load_subject, record, refused)
+
+
+def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callable | None = None, reader=None,
+               records_root=None, log=print) -> int:
+    """Run Gate A, print the verdict table and summary, append a `gate_a` record; returns the exit code.
+
+    `subject`: an already loaded model (else loaded here, after the floor check). `decode`: replaces
+    `model.decode_step` on the incremental path (e.g. a negative control that drops the state carry).
+    """
+    b = battery_for(opts)
+    eps = near_tie_eps(opts.torch_dtype)
+    t0 = time.perf_counter()
+    try:
+        with floor_guard(opts, context_len(b, opts.new_tokens), reader, log) as guard, ops.use(opts.kernels):
+            subject = subject or load_subject(opts)
+            hook = guard.step_hook()
+            prompts, t_rec, t_inc = [], 0.0, 0.0
+            for i, ids in enumerate(b.ids):
+                t = time.perf_counter()
+                rec = generate_recompute(subject.model, ids, opts.new_tokens, DEFAULT_TOPK, keep_logits=True,
+                                         step_hook=hook)
+                t_rec += time.perf_counter() - t
+                t = time.perf_counter()
+                inc = generate_incremental(subject.model, ids, opts.new_tokens, DEFAULT_TOPK, keep_logits=True,
+                                           step_hook=hook, decode=decode)
+                t_inc += time.perf_counter() - t
+                prompts.append(compare_prompt(i, rec, inc, eps, "recompute", "incremental"))
+    except (GateRefused, MemoryFloorError) as e:
+        return refused("gate_a", opts, str(e), None if subject is None else subject.weights, records_root=records_root)
+
+    result = GateResult("Gate A", "recompute", "incremental", prompts)
+    log(f"Gate A on {opts.label} ({subject.source}, weights {subject.weights}) {opts.dtype} {opts.device}, "
+        f"kernels {opts.kernels}, prompts {b.source}, near-tie eps {eps:g} nats")
+    log(result.table())
+    diffs = [d for p in prompts for d in p.max_abs_logit_diff]
+    results = {
+        **result.results(),
+        "max_abs_logit_diff": [p.max_abs_logit_diff for p in prompts],
+        "max_abs_logit_diff_overall": max(diffs) if diffs else None,
+        "near_tie_eps": eps,
+        "timings": {"load_s": subject.load_s, "recompute_s": t_rec, "incremental_s": t_inc,
+                    "total_s": time.perf_counter() - t0},
+        **guard.results(),
+    }
+    params = {"prompt_ids_source": b.source, "prompts": len(b.ids), "weights_source": subject.source,
+              "decode": "model.decode_step" if decode is None else getattr(decode, "__name__", repr(decode))}
+    path = record("gate_a", opts, subject.weights, params, results, records_root=records_root)
+    log(f"{result.summary()} [{results['timings']['total_s']:.1f} s; record {path}]")
+    return EXIT_PASS if result.passed else EXIT_FAIL

@@ -1,0 +1,265 @@
+"""What every gate run shares: resolved options, the model under test, the memory floor guard, records.
+
+Defaults (the CLI reads no environment variables; the Makefile maps its variables to flags):
+- device: `cuda` when torch sees a GPU, else `cpu`;
+- dtype: `fp32` on a CPU, `bf16` on CUDA;
+- preset (without --model): `tiny` on a CPU; on CUDA `48b-a3b` when the GPU's free memory (NVML) holds its
+  projected peak plus the floor, else `tiny` (the reason is printed).
+
+Weights under test. A real checkpoint is bf16 (A_log, dt_bias and the router bias fp32), and a model run in
+fp32 or fp64 upcasts those values exactly. Synthetic presets are treated the same way: their weights are
+drawn in bf16 (`synthetic_weights(..., dtype=bfloat16)`: fp32 draws rounded once), i.e. the checkpoint that
+`save_checkpoint` would write, then upcast. So one set of weights exists per (preset, seed) whatever the run's
+dtype, HF transformers can load exactly it from an original-format checkpoint, and a golden made in fp64 is a
+golden for the fp32 and bf16 runs of the same weights. Small presets are drawn on the CPU and moved, so their
+weights are also the same on every device (CPU and CUDA generators differ); a model over 1 GiB is drawn on
+its device.
+
+`weights_id` names those weights: the fingerprint of the state dict cast to the checkpoint's dtypes. It is
+dtype-independent for checkpoint-valued weights and refuses weights that bf16 cannot hold exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from model.build import from_state_dict
+from model.checkpoint import internal_names, load_checkpoint, storage_dtype
+from model.config import KimiConfig, get_config
+from model.model import KimiLinear
+from model.weights import fingerprint, synthetic_weights
+from records import store
+
+from .memory import (FloorDecision, FloorSampler, GiB, MemReading, Projection, check_floor,
+                     param_counts, project_peak, read_device_memory)
+from .prompts import DEFAULT_NEW_TOKENS, Battery, battery
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+DEVICES = ("cpu", "cuda")
+KERNELS = ("auto", "torch", "triton")
+SOURCES = ("hf", "self")
+DEFAULT_FLOOR_GIB = 15.0
+DEFAULT_TOPK = 10
+SMALL_MODEL_BYTES = GiB  # synthetic weights below this (in bf16) are drawn on the CPU, then moved
+
+# Exit codes of every gate command.
+EXIT_PASS, EXIT_FAIL, EXIT_REFUSED = 0, 1, 2
+
+
+class GateRefused(RuntimeError):
+    """The gate cannot judge this run (memory floor, wrong golden, no reading); the message says why."""
+
+
+# ---- options -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Options:
+    preset: str | None      # None with a checkpoint
+    model: str | None       # checkpoint directory
+    dtype: str              # a key of DTYPES
+    device: str             # 'cpu' | 'cuda'
+    new_tokens: int
+    floor_gib: float
+    source: str             # golden source: 'hf' | 'self'
+    golden: str | None
+    seed: int
+    kernels: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def floor_bytes(self) -> int:
+        return int(self.floor_gib * GiB)
+
+    @property
+    def config(self) -> KimiConfig:
+        return get_config(self.model if self.model else self.preset)
+
+    @property
+    def label(self) -> str:
+        """The model's short name: the preset (with a non-zero seed), or the checkpoint directory's name."""
+        if self.model:
+            return Path(self.model).resolve().name
+        return self.preset if self.seed == 0 else f"{self.preset}-seed{self.seed}"
+
+
+def context_len(b: Battery, new_tokens: int) -> int:
+    return max(map(len, b.ids)) + new_tokens
+
+
+def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT_NEW_TOKENS,
+            floor_gib=DEFAULT_FLOOR_GIB, source="hf", golden=None, seed=0, kernels="auto",
+            reader: Callable[[], MemReading | None] = read_device_memory, log=print) -> Options:
+    """Fill in the defaults (module docstring) and refuse impossible combinations."""
+    if preset is not None and model is not None:
+        raise ValueError("give --preset or --model, not both")
+    if model is not None and not Path(model).is_dir():
+        raise ValueError(f"--model {model}: no such checkpoint directory")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in DEVICES:
+        raise ValueError(f"--device {device!r}: expected one of {DEVICES}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device")
+    dtype = dtype or ("bf16" if device == "cuda" else "fp32")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"--new-tokens must be a positive integer, got {new_tokens!r}")
+    if not floor_gib >= 0:
+        raise ValueError(f"--floor-gib must be >= 0, got {floor_gib!r}")
+    if source not in SOURCES:
+        raise ValueError(f"--source {source!r}: expected one of {SOURCES}")
+    if kernels not in KERNELS:
+        raise ValueError(f"--kernels {kernels!r}: expected one of {KERNELS}")
+    if model is None and preset is None:
+        preset = _default_preset(device, DTYPES[dtype], new_tokens, floor_gib, reader, log)
+    if preset is not None:
+        get_config(preset)  # unknown names fail here, with the list of presets
+    return Options(preset, model, dtype, device, new_tokens, float(floor_gib), source, golden, seed, kernels)
+
+
+def _default_preset(device, dtype, new_tokens, floor_gib, reader, log) -> str:
+    if device == "cpu":
+        return "tiny"
+    big = get_config("48b-a3b")
+    need = project_peak(big, dtype, 1, context_len(battery(big), new_tokens)).total + floor_gib * GiB
+    r = reader()
+    if r is not None and r.free >= need:
+        return "48b-a3b"
+    have = "no NVML reading" if r is None else f"free {r.free / GiB:.1f} GiB"
+    log(f"default preset: tiny ({have}; 48b-a3b needs {need / GiB:.1f} GiB incl. the floor)")
+    return "tiny"
+
+
+# ---- the model under test ------------------------------------------------------------------------
+
+def checkpoint_valued_weights(cfg: KimiConfig, seed: int, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Synthetic weights as an original bf16 checkpoint holds them, upcast to `dtype` on `device`."""
+    small = param_counts(cfg).total * 2 < SMALL_MODEL_BYTES
+    state = synthetic_weights(cfg, seed, "cpu" if small else device, torch.bfloat16)
+    kinds = internal_names(cfg)
+    return {n: t.to(device=device, dtype=storage_dtype(kinds[n][1], dtype)) for n, t in state.items()}
+
+
+def weights_id(state, cfg: KimiConfig) -> str:
+    """Fingerprint of `state` in the checkpoint's dtypes; the same for any upcast of the same weights.
+
+    `state` may be ours or HF's (same names; HF's extra buffers are ignored). Weights bf16 cannot hold
+    exactly (e.g. fp32 draws) would collide with their rounding, so they are refused.
+    """
+    kinds = internal_names(cfg)
+    missing = sorted(set(kinds) - set(state))
+    if missing:
+        raise ValueError(f"state dict lacks {len(missing)} tensors of the config, e.g. {missing[:5]}")
+    cast = {}
+    for n, (_, dt) in kinds.items():
+        t = state[n].detach()
+        c = t.to(dt)
+        if c.dtype != t.dtype and not torch.equal(c.to(t.dtype), t):
+            raise ValueError(f"{n} ({t.dtype}) holds values that {dt} cannot represent exactly: not "
+                             f"checkpoint-valued weights, so they have no dtype-independent identity")
+        cast[n] = c
+    return fingerprint(cast)
+
+
+@dataclass
+class Subject:
+    """The model under test and what identifies it."""
+    model: KimiLinear
+    cfg: KimiConfig
+    weights: str        # weights_id
+    source: str         # 'synthetic:<preset>:seed=<n>' or the checkpoint path
+    load_s: float
+
+
+def load_subject(opts: Options) -> Subject:
+    t0 = time.perf_counter()
+    if opts.model:
+        cfg, state = load_checkpoint(opts.model, device=opts.device, dtype=opts.torch_dtype)
+        source = str(Path(opts.model).resolve())
+    else:
+        cfg = get_config(opts.preset)
+        state = checkpoint_valued_weights(cfg, opts.seed, opts.device, opts.torch_dtype)
+        source = f"synthetic:{opts.preset}:seed={opts.seed}"
+    model = from_state_dict(cfg, state)
+    wid = weights_id(state, cfg)
+    if opts.device == "cuda":
+        torch.cuda.synchronize()
+    return Subject(model, cfg, wid, source, time.perf_counter() - t0)
+
+
+def battery_for(opts: Options) -> Battery:
+    return battery(opts.config, opts.model)
+
+
+# ---- the memory floor ----------------------------------------------------------------------------
+
+@dataclass
+class Guard:
+    """The floor decision before loading and, on CUDA, the sampler that watches it while running."""
+    projection: Projection | None
+    decision: FloorDecision | None
+    sampler: FloorSampler | None
+
+    def step_hook(self):
+        return None if self.sampler is None else self.sampler.check
+
+    def results(self) -> dict:
+        s = self.sampler
+        return {
+            "projected_bytes": None if self.projection is None else self.projection.total,
+            "floor_bytes": None if self.decision is None else self.decision.floor,
+            "free_before_bytes": None if self.decision is None else self.decision.free_before,
+            "min_free_bytes": None if s is None else s.min_free,
+            "floor_decision": None if self.decision is None else self.decision.message,
+        }
+
+
+@contextlib.contextmanager
+def floor_guard(opts: Options, context: int, reader: Callable[[], MemReading | None] | None = None,
+                log=print):
+    """On CUDA (or with an injected reader): refuse before loading when the projected peak would leave less
+    than the floor, then watch free memory while the block runs. On a CPU without a reader: nothing."""
+    if reader is None and opts.device != "cuda":
+        yield Guard(None, None, None)
+        return
+    reader = reader or (lambda: read_device_memory(torch.cuda.current_device()))
+    projection = project_peak(opts.config, opts.torch_dtype, 1, context, device=opts.device)
+    reading = reader()
+    if reading is None:
+        raise GateRefused("no device memory reading (NVML): the memory floor cannot be checked")
+    decision = check_floor(projection, opts.floor_bytes, reading)
+    log(decision.message)
+    if not decision.ok:
+        raise GateRefused(decision.message)
+    trip = lambda msg: print(f"ABORTING: {msg}", file=sys.stderr, flush=True)
+    with FloorSampler(opts.floor_bytes, reader=reader, on_trip=trip) as sampler:
+        yield Guard(projection, decision, sampler)
+
+
+# ---- records -------------------------------------------------------------------------------------
+
+def record(kind: str, opts: Options, weights: str | None, params: dict, results: dict, reasons=(),
+           valid: bool = True, records_root=None) -> Path:
+    """Append one gate record; the options are kept in `params` next to the gate's own."""
+    rec = store.make_record(kind, preset=opts.preset or opts.label, dtype=str(opts.torch_dtype).removeprefix("torch."),
+                            device=opts.device, weights=weights, params={**asdict(opts), **params},
+                            results=results, verdict="VALID" if valid else "INVALID", reasons=list(reasons))
+    return store.append(rec, root=records_root)
+
+
+def refused(kind: str, opts: Options, why: str, weights=None, results=None, records_root=None) -> int:
+    print(why)
+    record(kind, opts, weights, {}, {"passed": False, "refused": why, **(results or {})},
+           reasons=[f"refused: {why}"], valid=False, records_root=records_root)
+    print(f"{kind.replace('_', ' ').title()} REFUSED: {why}")
+    return EXIT_REFUSED
+
