@@ -18,7 +18,7 @@ matmul for the arithmetic rate (SPEC.md §4: 4.25 TB/s and ~790 TFLOP/s on the H
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -126,13 +126,6 @@ def measure_ceilings(device, read_bytes: int = 4 << 30, matmul_n: int = 8192, re
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return c
-
-
-def ceilings_results(c: Ceilings) -> dict:
-    """The fields every bench record carries about the ceilings it was held against."""
-    d = asdict(c)
-    return {"hbm_gbps": d.pop("hbm_gbps"), "matmul_tflops": d.pop("matmul_tflops"),
-            "ceilings": {"read_bytes": d["read_bytes"], "matmul_n": d["matmul_n"], "reps": d["reps"]}}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,10 +22,6 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
 
 
-def elapsed_s() -> float:
-    return time.perf_counter() - _T0
-
-
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from model import ops
 from model.config import PRESETS
 
 from .golden import GOLDEN_DIR, golden_name, make_golden, write_golden
 from .memory import MemoryFloorError
 from .prompts import DEFAULT_NEW_TOKENS
 from .run import (DEFAULT_FLOOR_GIB, DEVICES, DTYPES, EXIT_PASS, EXIT_REFUSED, KERNELS, SOURCES, GateRefused,
-                  Options, floor_guard, battery_for, context_len, load_subject, resolve)
+                  Options, battery_for, context_len, floor_guard, limit_cpu_threads, load_subject, resolve)
 
 COMMANDS = {
     "gate-a": "Gate A: incremental decode must give exactly the recompute path's tokens",
@@ -52,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
 def golden_command(opts: Options) -> int:
     path = opts.golden or GOLDEN_DIR / golden_name(opts.label, opts.dtype, opts.device, opts.source)
     b = battery_for(opts)
-    with floor_guard(opts, context_len(b, opts.new_tokens)):
+    with floor_guard(opts, context_len(b, opts.new_tokens)), ops.use(opts.kernels):
         # HF on a CPU loads a checkpoint directory itself; a second copy of a real model is not needed there
         hf_alone = opts.source == "hf" and opts.device == "cpu" and opts.model is not None
         g = make_golden(opts, None if hf_alone else load_subject(opts))
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = resolve(preset=args.preset, model=args.model, dtype=args.dtype, device=args.device,
                        new_tokens=args.new_tokens, floor_gib=args.floor_gib, source=args.source,
                        golden=args.golden, seed=args.seed, kernels=args.kernels)
+        limit_cpu_threads(opts)
         if args.command == "gate-a":
             from .gate_a import run_gate_a
             return run_gate_a(opts)

@@ -46,7 +46,8 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
                 t_inc += time.perf_counter() - t
                 prompts.append(compare_prompt(i, rec, inc, eps, "recompute", "incremental"))
     except (GateRefused, MemoryFloorError) as e:
-        return refused("gate_a", opts, str(e), None if subject is None else subject.weights, records_root=records_root)
+        return refused("gate_a", opts, str(e), None if subject is None else subject.weights,
+                       records_root=records_root, log=log)
 
     result = GateResult("Gate A", "recompute", "incremental", prompts)
     log(f"Gate A on {opts.label} ({subject.source}, weights {subject.weights}) {opts.dtype} {opts.device}, "
@@ -63,7 +64,7 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
         **guard.results(),
     }
     params = {"prompt_ids_source": b.source, "prompts": len(b.ids), "weights_source": subject.source,
-              "decode": "model.decode_step" if decode is None else getattr(decode, "__name__", repr(decode))}
+              "decode": inc.decoder}
     path = record("gate_a", opts, subject.weights, params, results, records_root=records_root)
     log(f"{result.summary()} [{results['timings']['total_s']:.1f} s; record {path}]")
     return EXIT_PASS if result.passed else EXIT_FAIL

@@ -35,7 +35,8 @@ def run_gate_b(opts: Options, *, subject: Subject | None = None, reader=None, re
                                          step_hook=guard.step_hook()) for p in g["prompts"]]
             t_gen = time.perf_counter() - t
     except (GoldenError, GateRefused, MemoryFloorError) as e:
-        return refused("gate_b", opts, str(e), None if subject is None else subject.weights, records_root=records_root)
+        return refused("gate_b", opts, str(e), None if subject is None else subject.weights,
+                       records_root=records_root, log=log)
 
     # the less precise side sets how close two logits must be to count as a tie
     eps = max(near_tie_eps(opts.torch_dtype), near_tie_eps(DTYPES[g["dtype"]]))

@@ -37,7 +37,7 @@ from model.generate import Generation, generate_recompute
 from records.store import provenance
 
 from .prompts import PROMPTS
-from .run import DEFAULT_TOPK, Options, Subject, battery_for, checkpoint_valued_weights, weights_id
+from .run import DEFAULT_TOPK, Options, Subject, battery_for, synthetic_state, weights_id
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "goldens"
 FORMAT = 1
@@ -49,16 +49,21 @@ class GoldenError(ValueError):
 
 def ids_md5(ids: list[list[int]]) -> str:
     """md5 of an id matrix [prompts, steps] as int32 little-endian bytes, row-major."""
-    a = np.asarray(ids, dtype="<i4")
+    a = np.asarray(ids, dtype=np.int64)
     if a.ndim != 2:
         raise ValueError(f"id matrix must be 2-D [prompts, steps], got shape {a.shape}")
-    if not np.array_equal(a, np.asarray(ids, dtype=np.int64)):
+    if a.size and (a.min() < -2**31 or a.max() >= 2**31):
         raise ValueError("id matrix holds values outside int32")
-    return hashlib.md5(a.tobytes()).hexdigest()
+    return hashlib.md5(a.astype("<i4").tobytes()).hexdigest()
 
 
 def golden_name(label: str, dtype: str, device: str, source: str) -> str:
     return f"{label}-{dtype}-{device}-{source}.json"
+
+
+def _is_greedy(token: int, topk_ids: list[int], topk_logprobs: list[float]) -> bool:
+    """`token` is the top-1 of this step's top-k, or exactly tied with it."""
+    return token == topk_ids[0] or (token in topk_ids and topk_logprobs[topk_ids.index(token)] == topk_logprobs[0])
 
 
 def find_golden(opts: Options, directory: Path = GOLDEN_DIR) -> Path:
@@ -101,6 +106,10 @@ def load_golden(path: str | Path) -> dict:
                 raise GoldenError(f"golden {path} prompt {i} lacks {k!r}")
         if not (len(p["expected"]) == len(p["topk_ids"]) == len(p["topk_logprobs"]) == n):
             raise GoldenError(f"golden {path} prompt {i}: expected/topk lengths differ from new_tokens {n}")
+        for step, (t, top, lp) in enumerate(zip(p["expected"], p["topk_ids"], p["topk_logprobs"])):
+            if not _is_greedy(t, top, lp):
+                raise GoldenError(f"golden {path} prompt {i} step {step}: expected id {t} is not the top-1 "
+                                  f"of its own top-k {top[:3]}...")
     if ids_md5([p["expected"] for p in g["prompts"]]) != g["md5"]:
         raise GoldenError(f"golden {path}: its md5 {g['md5']} does not match its own expected ids (edited by hand?)")
     return g
@@ -135,13 +144,13 @@ def _hf_model(opts: Options, subject: Subject | None):
     if opts.device == "cuda":
         hf = hf_from_state_dict(subject.cfg, subject.model.state_dict())
     elif opts.model:
-        hf = hf_from_checkpoint(opts.model, dtype=opts.torch_dtype, device=None)
+        hf = hf_from_checkpoint(opts.model, dtype=opts.torch_dtype)
     else:
         cfg = opts.config
         with tempfile.TemporaryDirectory(prefix="kimi-golden-") as tmp:
-            state = checkpoint_valued_weights(cfg, opts.seed, "cpu", torch.bfloat16)
+            state = synthetic_state(cfg, opts.seed, "cpu", torch.bfloat16)
             save_checkpoint(state, cfg, Path(tmp) / "ckpt")
-            hf = hf_from_checkpoint(Path(tmp) / "ckpt", dtype=opts.torch_dtype, device=None)
+            hf = hf_from_checkpoint(Path(tmp) / "ckpt", dtype=opts.torch_dtype)
     hf.set_experts_implementation("eager")
     return hf, weights_id(hf.state_dict(), opts.config)
 
@@ -152,7 +161,7 @@ def _hf_generate(hf, prompt: list[int], new_tokens: int) -> Generation:
     tokens, ids, lps = hf_greedy(hf, prompt, new_tokens, DEFAULT_TOPK)
     for step, (t, top, lp) in enumerate(zip(tokens, ids, lps)):
         # generate()'s logits processors must not have changed the greedy choice (e.g. an EOS suppression)
-        if t != top[0] and not (t in top and lp[top.index(t)] == lp[0]):
+        if not _is_greedy(t, top, lp):
             raise RuntimeError(f"HF generate chose {t} at step {step} but its logits' argmax is {top[0]}")
     return Generation(prompt=list(prompt), tokens=tokens, topk_ids=ids, topk_logprobs=lps)
 
@@ -163,6 +172,8 @@ def make_golden(opts: Options, subject: Subject | None = None) -> dict:
     `subject`: our loaded model; needed for `--source self` and for HF on CUDA (which wraps its tensors).
     For HF on a CPU it may be None: HF loads the weights itself and the weights id is taken from its tensors.
     """
+    if subject is None and (opts.source == "self" or opts.device == "cuda"):
+        raise ValueError(f"a golden from source {opts.source!r} on {opts.device} needs our loaded model (subject)")
     b = battery_for(opts)
     t0 = time.perf_counter()
     if opts.source == "hf":
@@ -174,8 +185,6 @@ def make_golden(opts: Options, subject: Subject | None = None) -> dict:
         gens = [_hf_generate(hf, p, opts.new_tokens) for p in b.ids]
         implementation = f"hf-transformers-{hf_version()}"
     else:
-        if subject is None:
-            raise ValueError("--source self needs the loaded model")
         wid = subject.weights
         gens = [generate_recompute(subject.model, p, opts.new_tokens, topk=DEFAULT_TOPK) for p in b.ids]
         implementation = "self-recompute"

@@ -7,10 +7,9 @@ Defaults (the CLI reads no environment variables; the Makefile maps its variable
   projected peak plus the floor, else `tiny` (the reason is printed).
 
 Weights under test. A real checkpoint is bf16 (A_log, dt_bias and the router bias fp32), and a model run in
-fp32 or fp64 upcasts those values exactly. Synthetic presets are treated the same way: their weights are
-drawn in bf16 (`synthetic_weights(..., dtype=bfloat16)`: fp32 draws rounded once), i.e. the checkpoint that
-`save_checkpoint` would write, then upcast. So one set of weights exists per (preset, seed) whatever the run's
-dtype, HF transformers can load exactly it from an original-format checkpoint, and a golden made in fp64 is a
+fp32 or fp64 upcasts those values exactly. Synthetic weights hold checkpoint values too (model/weights.py:
+drawn in fp32, rounded to the format's dtype), so one set of weights exists per (preset, seed) whatever the
+run's dtype, HF transformers can load exactly it from an original-format checkpoint, and a golden made in fp64 is a
 golden for the fp32 and bf16 runs of the same weights. Small presets are drawn on the CPU and moved, so their
 weights are also the same on every device (CPU and CUDA generators differ); a model over 1 GiB is drawn on
 its device.
@@ -141,12 +140,24 @@ def _default_preset(device, dtype, new_tokens, floor_gib, reader, log) -> str:
 
 # ---- the model under test ------------------------------------------------------------------------
 
-def checkpoint_valued_weights(cfg: KimiConfig, seed: int, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Synthetic weights as an original bf16 checkpoint holds them, upcast to `dtype` on `device`."""
-    small = param_counts(cfg).total * 2 < SMALL_MODEL_BYTES
-    state = synthetic_weights(cfg, seed, "cpu" if small else device, torch.bfloat16)
-    kinds = internal_names(cfg)
-    return {n: t.to(device=device, dtype=storage_dtype(kinds[n][1], dtype)) for n, t in state.items()}
+def is_small(cfg: KimiConfig) -> bool:
+    return param_counts(cfg).total * 2 < SMALL_MODEL_BYTES
+
+
+def limit_cpu_threads(opts: Options) -> None:
+    """A small model on a CPU runs on one thread: its ops are too small to split, and intra-op threads that
+    spin-wait for a core shared with other processes slow a run down ~10x (measured: Gate A on tiny, 2-core
+    box under load, 72 s with 2 threads, 4 s with 1)."""
+    if opts.device == "cpu" and is_small(opts.config):
+        torch.set_num_threads(1)
+
+
+def synthetic_state(cfg: KimiConfig, seed: int, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The preset's synthetic weights (checkpoint-valued: see model/weights.py) on `device` in `dtype`. Small
+    presets are drawn on the CPU and moved, so they are the same weights on every device (CPU and CUDA
+    generators differ) and the committed CPU goldens also judge GPU runs."""
+    state = synthetic_weights(cfg, seed, "cpu" if is_small(cfg) else device, dtype)
+    return {n: t.to(device) for n, t in state.items()}
 
 
 def weights_id(state, cfg: KimiConfig) -> str:
@@ -187,7 +198,7 @@ def load_subject(opts: Options) -> Subject:
         source = str(Path(opts.model).resolve())
     else:
         cfg = get_config(opts.preset)
-        state = checkpoint_valued_weights(cfg, opts.seed, opts.device, opts.torch_dtype)
+        state = synthetic_state(cfg, opts.seed, opts.device, opts.torch_dtype)
         source = f"synthetic:{opts.preset}:seed={opts.seed}"
     model = from_state_dict(cfg, state)
     wid = weights_id(state, cfg)
@@ -223,6 +234,12 @@ class Guard:
         }
 
 
+def cuda_reader() -> Callable[[], MemReading | None]:
+    """NVML reader for the CUDA device torch uses (asking torch which one creates the CUDA context)."""
+    index = torch.cuda.current_device()
+    return lambda: read_device_memory(index)
+
+
 @contextlib.contextmanager
 def floor_guard(opts: Options, context: int, reader: Callable[[], MemReading | None] | None = None,
                 log=print):
@@ -231,15 +248,15 @@ def floor_guard(opts: Options, context: int, reader: Callable[[], MemReading | N
     if reader is None and opts.device != "cuda":
         yield Guard(None, None, None)
         return
-    reader = reader or (lambda: read_device_memory(torch.cuda.current_device()))
+    reader = reader or cuda_reader()
     projection = project_peak(opts.config, opts.torch_dtype, 1, context, device=opts.device)
     reading = reader()
     if reading is None:
         raise GateRefused("no device memory reading (NVML): the memory floor cannot be checked")
     decision = check_floor(projection, opts.floor_bytes, reading)
-    log(decision.message)
     if not decision.ok:
         raise GateRefused(decision.message)
+    log(decision.message)
     trip = lambda msg: print(f"ABORTING: {msg}", file=sys.stderr, flush=True)
     with FloorSampler(opts.floor_bytes, reader=reader, on_trip=trip) as sampler:
         yield Guard(projection, decision, sampler)
@@ -256,10 +273,10 @@ def record(kind: str, opts: Options, weights: str | None, params: dict, results:
     return store.append(rec, root=records_root)
 
 
-def refused(kind: str, opts: Options, why: str, weights=None, results=None, records_root=None) -> int:
-    print(why)
-    record(kind, opts, weights, {}, {"passed": False, "refused": why, **(results or {})},
-           reasons=[f"refused: {why}"], valid=False, records_root=records_root)
-    print(f"{kind.replace('_', ' ').title()} REFUSED: {why}")
+def refused(kind: str, opts: Options, why: str, weights=None, records_root=None, log=print) -> int:
+    """Record a gate that could not judge (INVALID: it measured nothing) and say so."""
+    path = record(kind, opts, weights, {}, {"passed": False, "refused": why}, reasons=[f"refused: {why}"],
+                  valid=False, records_root=records_root)
+    log(f"{kind.replace('_', ' ').title()} REFUSED: {why} [record {path}]")
     return EXIT_REFUSED
 

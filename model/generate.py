@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import ops
 from .model import KimiLinear
 
 PATHS = ("recompute", "incremental")
@@ -26,6 +27,7 @@ class Generation:
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_logprobs: list[list[float]] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)   # per step [V] fp32, only with keep_logits
+    decoder: str = ""                                           # what ran the decode steps
 
 
 def _record(gen: Generation, logits: torch.Tensor, topk: int, keep_logits: bool) -> int:
@@ -62,15 +64,25 @@ def generate_recompute(model: KimiLinear, prompt, new_tokens: int, topk: int = 1
     return gen
 
 
+def uses_graph(model: KimiLinear) -> bool:
+    """The fast path on CUDA: decode steps replayed from a CUDA graph (needs the Triton kernels)."""
+    return model.device.type == "cuda" and ops.kernels_setting() != "torch"
+
+
 @torch.no_grad()
 def generate_incremental(model: KimiLinear, prompt, new_tokens: int, topk: int = 10,
                          keep_logits: bool = False, step_hook=None, cache=None, decode=None) -> Generation:
-    """`decode` replaces `model.decode_step` (e.g. a CUDA-graph runner with the same signature)."""
+    """`decode` replaces the decode step: by default a CUDA-graph replay of `model.decode_step` on CUDA
+    (model/fast.py), the eager step elsewhere."""
     ids = _check(model, prompt, new_tokens)
     gen = Generation(prompt=ids[0].tolist())
     if cache is None:
         cache = model.new_cache(1, ids.shape[1] + new_tokens)
+    if decode is None and uses_graph(model) and new_tokens > 1:
+        from .fast import GraphDecoder
+        decode = GraphDecoder(model, cache)
     decode = decode or model.decode_step
+    gen.decoder = getattr(decode, "__qualname__", type(decode).__name__)
     tok = _record(gen, model.prefill(ids, cache)[0], topk, keep_logits)
     for _ in range(new_tokens - 1):
         if step_hook:

@@ -15,7 +15,6 @@ from torch import nn
 from . import ops
 from .cache import KDAState, MLACache
 from .config import KimiConfig
-from .norms import rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm(x, self.weight, self.eps)
+        return ops.rmsnorm(x, self.weight, self.eps)
 
 
 class ForgetGate(nn.Module):
@@ -87,8 +86,9 @@ class KimiDeltaAttention(nn.Module):
         """One token per sequence, x [B, D]; updates the recurrent state and conv taps in place."""
         fg = self.forget_gate
         o = ops.kda_decode_step(self._qkv(x), cache.taps, self.conv1d.weight[:, 0], fg.pre_gate(x), fg.A_log,
-                                fg.dt_bias, self.b_proj(x), cache.state, self.num_heads, self.head_dim)
-        return self._out(x, o.to(x.dtype))
+                                fg.dt_bias, self.b_proj(x), cache.state, self.g_b_proj(self.g_a_proj(x)),
+                                self.o_norm.weight, self.eps)
+        return self.o_proj(o.flatten(-2))
 
 
 class MultiLatentAttention(nn.Module):
@@ -204,14 +204,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def _ffn(self, x, a):
+        """h = x + a; out = h + mlp(rmsnorm(h)), with the residual add fused into the norm."""
+        post = self.post_attention_layernorm
+        normed, h = ops.add_rmsnorm(a, x, post.weight, post.eps)
+        return h + self.mlp(normed)
+
     def forward(self, x, cache_layer=None, start: int = 0):
         a = self.input_layernorm(x)
         a = self.self_attn(a, cache_layer) if self.kind == "kda" else self.self_attn(a, cache_layer, start)
-        h = x + a
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self._ffn(x, a)
 
     def decode(self, x, cache_layer, pos):
         a = self.input_layernorm(x)
         a = self.self_attn.decode(a, cache_layer) if self.kind == "kda" else self.self_attn.decode(a, cache_layer, pos)
-        h = x + a
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self._ffn(x, a)

@@ -57,18 +57,39 @@ def chunk_kda(q, k, v, g, beta, initial_state=None):
     return kda.chunk_kda(q, k, v, g, beta, initial_state=initial_state)
 
 
-def kda_decode_step(qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, state, num_heads, head_dim):
-    """One KDA token per sequence from carried state: conv-tap update, SiLU, gate, beta, L2 norm, state
-    update, output. `taps` and `state` are updated in place. Returns o [B, H, V] (fp32 or model dtype)."""
+def kda_decode_step(qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, state, gate, norm_w, eps):
+    """One KDA token per sequence from carried state, conv-tap update through the gated output norm:
+    conv + SiLU, gate, beta, L2 norm, state update, output, rmsnorm(o) * norm_w * sigmoid(gate).
+    `taps` and `state` are updated in place. Shapes as in `model.triton.kda_decode.fused_kda_decode`;
+    returns [B, H, d] in qkv_raw's dtype."""
     if _triton(qkv_raw):
         from .triton.kda_decode import fused_kda_decode
-        return fused_kda_decode(qkv_raw, taps, conv_w, f, A_log.reshape(-1), dt_bias, b_raw, state)
+        return fused_kda_decode(qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, state,
+                                out_gate=gate, norm_weight=norm_w, norm_eps=eps)
+    H, d = state.shape[1], state.shape[2]
     y, new_taps = kda.causal_conv1d(qkv_raw[:, None], conv_w, taps)
     taps.copy_(new_taps)
-    q, k, v = (t.unflatten(-1, (num_heads, head_dim)) for t in y[:, 0].chunk(3, dim=-1))
-    g = kda.kda_gate(f, A_log, dt_bias, head_dim)
+    q, k, v = (t.unflatten(-1, (H, d)) for t in y[:, 0].chunk(3, dim=-1))
+    g = kda.kda_gate(f, A_log, dt_bias, d)
     beta = torch.sigmoid(b_raw.float())
-    return kda.recurrent_kda_step(q, k, v, g, beta, state)
+    o = kda.recurrent_kda_step(q, k, v, g, beta, state).to(qkv_raw.dtype)
+    return norms.gated_rmsnorm(o, gate.unflatten(-1, (H, d)), norm_w, eps)
+
+
+def rmsnorm(x, weight, eps):
+    if _triton(x):
+        from .triton.norms import rmsnorm as triton_rmsnorm
+        return triton_rmsnorm(x, weight, eps)
+    return norms.rmsnorm(x, weight, eps)
+
+
+def add_rmsnorm(x, residual, weight, eps):
+    """(rmsnorm(x + residual), x + residual): the residual add fused into the norm that follows it."""
+    if _triton(x):
+        from .triton.norms import add_rmsnorm as triton_add_rmsnorm
+        return triton_add_rmsnorm(x, residual, weight, eps)
+    h = x + residual
+    return norms.rmsnorm(h, weight, eps), h
 
 
 def gated_rmsnorm(o, gate, weight, eps):

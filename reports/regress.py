@@ -1,7 +1,7 @@
 """Speed-regression detection for bench records, against the history of the same machine and configuration.
 
 A run is compared only with earlier VALID runs of the same fingerprint: machine.gpu, machine.host,
-preset, params.phase, params.context, dtype. Two conditions must BOTH hold to flag a regression:
+preset, params.phase, params.context, params.batch, params.impl, params.peer, dtype. Two conditions must BOTH hold to flag a regression:
 
 1. Statistical: a one-sided Mann-Whitney U test says the new run's per-token latencies
    (results.samples_ms) are larger than the pooled samples of the last K runs (p < ALPHA).
@@ -31,7 +31,10 @@ ALPHA = 0.01
 MIN_SLOWDOWN = 0.03
 MAD_FACTOR = 3.0
 
-KEY_FIELDS = ("machine.gpu", "machine.host", "preset", "params.phase", "params.context", "dtype")
+# impl and peer too: the recompute path is not the graph decoder's history, and a run writes one record of
+# ours per peer, whose samples must not be pooled twice.
+KEY_FIELDS = ("machine.gpu", "machine.host", "preset", "params.phase", "params.context", "params.batch",
+              "params.impl", "params.peer", "dtype")
 
 
 @dataclass(frozen=True)

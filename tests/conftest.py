@@ -6,6 +6,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
+# No GPU (CI): Triton kernels run through Triton's interpreter. Triton reads this when a kernel module is
+# first imported, so it is set here, before any test module imports model.triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hypothesis import settings  # noqa: E402
 
 # Small, deterministic hypothesis runs: CI has 2 cores and the whole suite must stay under 10 minutes.

@@ -22,7 +22,7 @@ def bench_run(rng, hour: int, slowdown: float = 1.0, *, host="h200-a", gpu="NVID
         jitter[i] = 0.8 * jitter[i - 1] + rng.normal(0, 0.012)
     samples = median_ms * slowdown * np.exp(rng.normal(0, drift) + jitter)
     rec = make_record("bench", preset="48b-a3b", dtype="bfloat16", device="cuda", weights="random:0",
-                      params={"phase": "decode", "context": context},
+                      params={"phase": "decode", "context": context, "batch": 1, "impl": "ours-graph", "peer": None},
                       results={"tok_s": 1000 / float(np.mean(samples)), "samples_ms": samples.tolist()})
     rec["time"] = (T0 + timedelta(hours=hour)).isoformat()
     rec["machine"] = {**rec["machine"], "host": host, "gpu": gpu}

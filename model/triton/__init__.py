@@ -1,0 +1,24 @@
+"""Triton kernels for Kimi-Linear, forward only, each held against a torch reference by tests/test_triton_kda.py.
+
+- `kda_chunk.chunk_kda_fwd`: chunked KDA prefill, the twin of `model.kda.chunk_kda`.
+- `kda_decode.fused_kda_decode`: one decode step (conv, gate, beta, L2 norm, state update, output and
+  optionally the gated output norm) in one launch, the twin of `causal_conv1d` + `kda_gate` +
+  sigmoid + `recurrent_kda_step`.
+- `norms.rmsnorm`, `norms.gated_rmsnorm`, `norms.add_rmsnorm`: HF's KimiLinearRMSNorm(Gated).
+
+Triton chooses compiled (CUDA) or interpreted (CPU) kernels when a kernel module is first imported,
+from TRITON_INTERPRET (read by triton): set it to 1 before that import to run them on the CPU.
+"""
+import torch
+
+
+def empty(*shape, dtype, device):
+    """Every buffer a kernel writes is allocated here, so tests can poison them all with NaN."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+def require_runnable(kernel, device: torch.device) -> None:
+    """Clear error instead of a Triton crash when a compiled kernel is handed CPU tensors."""
+    if device.type != "cuda" and type(kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError(f"model.triton kernels need CUDA tensors, got {device}; for CPU runs set "
+                           "TRITON_INTERPRET=1 before model.triton's kernel modules are first imported")

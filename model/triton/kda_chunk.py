@@ -23,19 +23,54 @@ import torch
 import triton
 import triton.language as tl
 
+import model.triton as mt
+
 CHUNK = 64
 _LOG2_CHUNK = 6
-
-
-def _empty(*shape, dtype, device):
-    """Every buffer a kernel writes comes from here, so the tests can poison them all with NaN."""
-    return torch.empty(*shape, dtype=dtype, device=device)
 
 
 @triton.jit
 def _segment_cumsum(x, SEG: tl.constexpr, BT: tl.constexpr, K: tl.constexpr, REVERSE: tl.constexpr):
     """Cumulative sum of x [BT, K] down the rows, restarting at every aligned block of SEG rows."""
-    return tl.reshape(tl.cumsum(tl.reshape(x, (BT // SEG, SEG, K)), axis=1, reverse=REVERSE), (BT, K))
+    if SEG == 1:
+        y = x
+    else:
+        y = tl.reshape(tl.cumsum(tl.reshape(x, (BT // SEG, SEG, K)), axis=1, reverse=REVERSE), (BT, K))
+    return y
+
+
+@triton.jit
+def _load_gates(g_row0, n_live, SHIFT: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    """g of the chunk's rows SHIFT .. SHIFT+BT-1 as [BT, K] fp32; zero past the chunk and past T.
+
+    Reloaded where needed (L1/L2 hits) instead of held across the kernel: registers are the limit here.
+    """
+    r = tl.arange(0, BT) + SHIFT
+    p = g_row0 + r[:, None] * (H * K) + tl.arange(0, K)[None, :]
+    return tl.load(p, mask=((r < n_live) & (r < BT))[:, None], other=0.).to(tl.float32)
+
+
+@triton.jit
+def _level_pairs(b_q, b_k, g_row0, n_live, HALF: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                 BT: tl.constexpr, PREC: tl.constexpr):
+    """sum_c k_t k_s exp(G_t - G_s) and the same with q_t, over the pairs (t, s) with t in the upper and
+    s in the lower half of one 2*HALF-block of rows ([BT, BT] each, zero elsewhere).
+
+    With r the last row of that lower half, exp(G_t - G_s) = exp(g_{r+1} + ... + g_t) * exp(g_{s+1} + ... + g_r):
+    both factors <= 1, one per row, so the pairs are one tl.dot.
+    """
+    r = tl.arange(0, BT)
+    c = tl.arange(0, BT)
+    upper = ((r // HALF) % 2 == 1)[:, None]
+    into = _segment_cumsum(_load_gates(g_row0, n_live, 0, H, K, BT), HALF, BT, K, False)   # g_{r+1} + ... + g_t
+    g_next = tl.where((r % HALF == HALF - 1)[:, None], 0., _load_gates(g_row0, n_live, 1, H, K, BT))
+    out_of = _segment_cumsum(g_next, HALF, BT, K, True)                                     # g_{s+1} + ... + g_r
+    decay = tl.exp(tl.where(upper, into, out_of))
+    k_col = tl.where(upper, 0., b_k * decay)
+    pair = (r[:, None] // (2 * HALF)) == (c[None, :] // (2 * HALF))
+    A_kk = tl.where(pair, tl.dot(tl.where(upper, b_k * decay, 0.), tl.trans(k_col), input_precision=PREC), 0.)
+    A_qk = tl.where(pair, tl.dot(tl.where(upper, b_q * decay, 0.), tl.trans(k_col), input_precision=PREC), 0.)
+    return A_kk, A_qk
 
 
 @triton.jit
@@ -49,10 +84,8 @@ def _chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
     the scan kernel never needs a mask.
 
     Intra-chunk pairs s < t are visited by the highest bit in which t and s differ: at level `half`
-    (1, 2, ..., 32 for BT=64) t lies in the upper and s in the lower half of the same 2*half-block.
-    With r = the last row of that lower half,
-        exp(G_t - G_s) = exp(g_{r+1} + ... + g_t) * exp(g_{s+1} + ... + g_r),
-    two factors <= 1 formed per row, so the pairs of one level are one tl.dot. The exponents are
+    (1, 2, ..., 32 for BT=64) t lies in the upper and s in the lower half of the same 2*half-block
+    (`_level_pairs`: one tl.dot per level, decays as products of two factors <= 1). The exponents are
     sums over the rows they span (segmented scans), not differences of the chunk-long prefix sum G:
     after a gate of -1000 that difference would have lost its low digits. Every pair s < t belongs
     to exactly one level; the diagonal q_t.k_t (Aqk only) is added last.
@@ -72,15 +105,15 @@ def _chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
     cv = tl.arange(0, V)
     t = i_t * BT + r
     live = t < T
-    tok = ((i_b * T + t) * H + i_h).to(tl.int64)        # row of the [B*T*H, D] inputs
-    p_g = g + tok[:, None] * K + ck[None, :]
+    # scalar base of the chunk's first row + int32 tile offsets: lets the loads vectorise
+    row0 = (i_b.to(tl.int64) * T + i_t * BT) * H + i_h   # row of the [B*T*H, D] inputs
+    n_live = T - i_t * BT
+    g_row0 = g + row0 * K
+    qk_off = r[:, None] * (H * K) + ck[None, :]
 
-    b_q = tl.load(q + tok[:, None] * K + ck[None, :], mask=live[:, None], other=0.).to(tl.float32)
-    b_k = tl.load(k + tok[:, None] * K + ck[None, :], mask=live[:, None], other=0.).to(tl.float32)
-    b_g = tl.load(p_g, mask=live[:, None], other=0.).to(tl.float32)
-    # g of the next row of the chunk (0 past the chunk or T): suffix sums exclude the row itself
-    g_next = tl.load(p_g + H * K, mask=((t + 1 < T) & (r < BT - 1))[:, None], other=0.).to(tl.float32)
-    b_beta = tl.load(beta + tok, mask=live, other=0.).to(tl.float32)
+    b_q = tl.load(q + row0 * K + qk_off, mask=live[:, None], other=0.).to(tl.float32)
+    b_k = tl.load(k + row0 * K + qk_off, mask=live[:, None], other=0.).to(tl.float32)
+    b_beta = tl.load(beta + row0 + r * H, mask=live, other=0.).to(tl.float32)
     if L2NORM:
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
@@ -89,38 +122,33 @@ def _chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
     Aqk = tl.zeros([BT, BT], dtype=tl.float32)
     Tm = (r[:, None] == c[None, :]).to(tl.float32)
     for lvl in tl.static_range(LOG2_BT):
-        half: tl.constexpr = 1 << lvl
-        upper = ((r // half) % 2 == 1)[:, None]
-        into = _segment_cumsum(b_g, half, BT, K, False)               # g_{r+1} + ... + g_t
-        out_of = _segment_cumsum(tl.where((r % half == half - 1)[:, None], 0., g_next),
-                                 half, BT, K, True)                    # g_{s+1} + ... + g_r
-        decay = tl.exp(tl.where(upper, into, out_of))
-        k_row = tl.where(upper, b_k * decay, 0.)
-        q_row = tl.where(upper, b_q * decay, 0.)
-        k_col = tl.where(upper, 0., b_k * decay)
-        pair = ((r[:, None] // (2 * half)) == (c[None, :] // (2 * half)))
-        A_lvl = tl.where(pair, tl.dot(k_row, tl.trans(k_col), input_precision=PREC), 0.) * b_beta[:, None]
-        Aqk += tl.where(pair, tl.dot(q_row, tl.trans(k_col), input_precision=PREC), 0.)
+        # (1 << lvl) goes straight into a constexpr parameter: a name bound to it would become a tensor
+        A_lvl, Aqk_lvl = _level_pairs(b_q, b_k, g_row0, n_live, 1 << lvl, H, K, BT, PREC)
+        A_lvl = A_lvl * b_beta[:, None]
+        Aqk += Aqk_lvl
         Tm = Tm - tl.dot(tl.dot(Tm, A_lvl, input_precision=PREC), Tm, input_precision=PREC)
     Aqk += tl.where(r[:, None] == c[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.)
 
-    G = tl.cumsum(b_g, axis=0)                                         # g_1 + ... + g_t
+    G = tl.cumsum(_load_gates(g_row0, n_live, 0, H, K, BT), axis=0)   # g_1 + ... + g_t
     e_G = tl.exp(G)
     G_last = tl.sum(tl.where((r == BT - 1)[:, None], G, 0.), axis=0)   # padded rows add g = 0
-    b_v = tl.load(v + tok[:, None] * V + cv[None, :], mask=live[:, None], other=0.).to(tl.float32)
+    b_v = tl.load(v + row0 * V + r[:, None] * (H * V) + cv[None, :], mask=live[:, None], other=0.).to(tl.float32)
     b_w = tl.dot(Tm, b_k * (b_beta[:, None] * e_G), input_precision=PREC)
     b_u = tl.dot(Tm, b_v * b_beta[:, None], input_precision=PREC)
     b_qw = b_q * e_G - tl.dot(Aqk, b_w, input_precision=PREC)
     b_ou = tl.dot(Aqk, b_u, input_precision=PREC)
-    b_kd = b_k * tl.exp(tl.cumsum(g_next, axis=0, reverse=True))      # exp(g_{t+1} + ... + g_last)
+    # exp(g_{t+1} + ... + g_last), summed from the end: no difference of long prefix sums
+    b_kd = b_k * tl.exp(tl.cumsum(_load_gates(g_row0, n_live, 1, H, K, BT), axis=0, reverse=True))
 
-    row = ((i_bh * NT + i_t) * BT + r).to(tl.int64)
-    tl.store(w + row[:, None] * K + ck[None, :], b_w)
-    tl.store(qw + row[:, None] * K + ck[None, :], b_qw)
-    tl.store(kd + row[:, None] * K + ck[None, :], b_kd)
-    tl.store(u + row[:, None] * V + cv[None, :], b_u)
-    tl.store(ou + row[:, None] * V + cv[None, :], b_ou)
-    tl.store(eglast + (i_bh * NT + i_t).to(tl.int64) * K + ck, tl.exp(G_last))
+    slab = (i_bh.to(tl.int64) * NT + i_t) * BT          # first row of this chunk in the [B*H, NT*BT, D] outputs
+    k_off = r[:, None] * K + ck[None, :]
+    v_off = r[:, None] * V + cv[None, :]
+    tl.store(w + slab * K + k_off, b_w)
+    tl.store(qw + slab * K + k_off, b_qw)
+    tl.store(kd + slab * K + k_off, b_kd)
+    tl.store(u + slab * V + v_off, b_u)
+    tl.store(ou + slab * V + v_off, b_ou)
+    tl.store(eglast + (i_bh.to(tl.int64) * NT + i_t) * K + ck, tl.exp(G_last))
 
 
 @triton.jit
@@ -141,43 +169,39 @@ def _chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
     r = tl.arange(0, BT)
     ck = tl.arange(0, K)
     cv = i_v * BV + tl.arange(0, BV)
-    p_state = i_bh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
+    state_off = ck[:, None] * V + cv[None, :]
+    head = i_bh.to(tl.int64) * K * V
+    k_off = r[:, None] * K + ck[None, :]
+    v_off = r[:, None] * V + cv[None, :]
 
     S = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0:
-        S += tl.load(h0 + p_state)
+        S += tl.load(h0 + head + state_off)
     # a while loop: Triton 3.6's interpreter cannot iterate range() over a runtime bound (NumPy >= 2.4)
     n = 0
     while n < NT:
-        row = ((i_bh * NT + n) * BT + r).to(tl.int64)
-        b_w = tl.load(w + row[:, None] * K + ck[None, :])
-        b_qw = tl.load(qw + row[:, None] * K + ck[None, :])
-        b_kd = tl.load(kd + row[:, None] * K + ck[None, :])
-        b_u = tl.load(u + row[:, None] * V + cv[None, :])
-        b_ou = tl.load(ou + row[:, None] * V + cv[None, :])
-        b_eg = tl.load(eglast + (i_bh * NT + n).to(tl.int64) * K + ck)
+        slab = (i_bh.to(tl.int64) * NT + n) * BT
+        b_w = tl.load(w + slab * K + k_off)
+        b_qw = tl.load(qw + slab * K + k_off)
+        b_kd = tl.load(kd + slab * K + k_off)
+        b_u = tl.load(u + slab * V + v_off)
+        b_ou = tl.load(ou + slab * V + v_off)
+        b_eg = tl.load(eglast + (i_bh.to(tl.int64) * NT + n) * K + ck)
 
         v_new = b_u - tl.dot(b_w, S, input_precision=PREC)
         b_o = b_ou + tl.dot(b_qw, S, input_precision=PREC)
         t = n * BT + r
-        tok = ((i_b * T + t) * H + i_h).to(tl.int64)
-        tl.store(o + tok[:, None] * V + cv[None, :], b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
+        p_o = o + ((i_b.to(tl.int64) * T + n * BT) * H + i_h) * V + r[:, None] * (H * V) + cv[None, :]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
         S = S * b_eg[:, None] + tl.dot(tl.trans(b_kd), v_new, input_precision=PREC)
         n += 1
     if STORE_HT:
-        tl.store(ht + p_state, S)
+        tl.store(ht + head + state_off, S)
 
 
 def _check_head_dim(name: str, d: int) -> None:
     if d < 16 or d > 128 or d & (d - 1):
         raise ValueError(f"chunk_kda_fwd: {name} head dim must be a power of two in [16, 128], got {d}")
-
-
-def _runs_here(kernel, device: torch.device) -> None:
-    # Triton picks compiled or interpreted kernels when this module is imported (TRITON_INTERPRET).
-    if device.type != "cuda" and type(kernel).__name__ != "InterpretedFunction":
-        raise RuntimeError(f"model.triton kernels need CUDA tensors, got {device}; for CPU runs set "
-                           "TRITON_INTERPRET=1 before model.triton is first imported")
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, l2norm_qk=True):
@@ -207,11 +231,11 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         raise ValueError(f"chunk_kda_fwd: initial_state must be [B, H, K, V] = {(B, H, K, V)}, "
                          f"got {tuple(initial_state.shape)}")
-    _runs_here(_chunk_prep_kernel, q.device)
+    mt.require_runnable(_chunk_prep_kernel, q.device)
     scale = K ** -0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.to(device=q.device, dtype=torch.float32).contiguous()
-    o = _empty(B, T, H, V, dtype=v.dtype, device=q.device)
-    ht = _empty(B, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
+    o = mt.empty(B, T, H, V, dtype=v.dtype, device=q.device)
+    ht = mt.empty(B, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
     if T == 0:
         if ht is not None and h0 is not None:
             ht.copy_(h0)
@@ -222,9 +246,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     NT = triton.cdiv(T, CHUNK)
     BH, dev = B * H, q.device
-    w, qw, kd = (_empty(BH, NT * CHUNK, K, dtype=torch.float32, device=dev) for _ in range(3))
-    u, ou = (_empty(BH, NT * CHUNK, V, dtype=torch.float32, device=dev) for _ in range(2))
-    eglast = _empty(BH, NT, K, dtype=torch.float32, device=dev)
+    w, qw, kd = (mt.empty(BH, NT * CHUNK, K, dtype=torch.float32, device=dev) for _ in range(3))
+    u, ou = (mt.empty(BH, NT * CHUNK, V, dtype=torch.float32, device=dev) for _ in range(2))
+    eglast = mt.empty(BH, NT, K, dtype=torch.float32, device=dev)
     prec = "tf32x3" if v.dtype == torch.float32 else "tf32"
     _chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
                                  H=H, K=K, V=V, BT=CHUNK, LOG2_BT=_LOG2_CHUNK, L2NORM=bool(l2norm_qk),

@@ -1,0 +1,639 @@
+"""End-to-end speed: decode and prefill tokens/s against context length, ours vs HF transformers, held against
+the rooflines measured in the same run.
+
+    python -m benchmarks.bench_e2e [--preset 48b-a3b] [--contexts 1024,8192,32768,131072]
+        [--prefill 1024,8192,32768] [--decode-tokens 64] [--peers hf,hf-fla] [--quick]
+
+One process; the synthetic weights are built once on the device and HF's KimiLinearForCausalLM wraps the same
+tensors. For each context, cheapest first:
+- decode, ours: prefill a random prompt in chunks, then time greedy steps of the CUDA-graph decoder
+  (`model.fast.GraphDecoder`; eager `decode_step` where it cannot be used, with the reason recorded), one
+  CUDA-event sample per token after warm-up;
+- decode, recompute (one context only): a few greedy steps that each re-run the whole sequence;
+- prefill, ours: `model.prefill` of the prompt into a fresh cache, median of a few;
+- the peers on the same prompt: HF `generate` (its own cache; a logits processor stamps every step, which
+  gives the prefill time and the per-token decode times) and an HF forward over the prompt for prefill.
+  'hf' = HF with its torch KDA fallback, 'hf-fla' = HF with fla's Triton KDA. HF binds one or the other when
+  its module is imported; while 'hf' runs, this script puts the torch functions back in that module's two
+  KDA names, so both are measured in one process.
+A plan, from the rates of SPEC.md §4 and then from the rates measured so far, skips a peer configuration that
+would take more than `--peer-max-s` and anything that would end past `--budget-s`; each skip is recorded with
+its reason. An OOM or error in one configuration becomes an INVALID record and the run goes on. One `bench`
+record per configuration and peer. `--quick` runs the same code on the tiny preset on a CPU in seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import inspect
+import os
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from benchmarks import roofline
+from benchmarks.timing import Samples, log, summarize, sync, time_calls, time_steps
+
+PEERS = ("hf", "hf-fla")
+HF_MODULE = "transformers.models.kimi_linear.modeling_kimi_linear"
+HF_KDA_FUNCS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
+# Rates the plan starts from (tokens/s): HF's are SPEC.md §4's H200 anchors, ours are guesses. Each is
+# replaced by the rate measured so far as the run goes.
+PLAN_RATES = {"ours": {"prefill": 20_000.0, "decode": 100.0},
+              "hf": {"prefill": 3_700.0, "decode": 7.0},
+              "hf-fla": {"prefill": 26_000.0, "decode": 7.0}}
+PLAN_GRAPH_CAPTURE_S = 5.0  # capture + Triton warm-up of one graph decoder
+PLAN_SYNTH_GBPS = 2.0  # synthetic weights built per second on the device, for the printed estimate only
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Settings:
+    preset: str = "48b-a3b"
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    contexts: tuple[int, ...] = (1024, 8192, 32768, 131072)
+    prefill: tuple[int, ...] = (1024, 8192, 32768)
+    decode_tokens: int = 64
+    warmup_steps: int = 8
+    prefill_chunk: int = 8192  # the decode contexts are filled this many tokens at a time (bounds memory)
+    prefill_reps: int = 3
+    recompute_context: int = 1024
+    recompute_steps: int = 3
+    peers: tuple[str, ...] = PEERS
+    peer_decode_tokens: int = 16
+    peer_prefill_reps: int = 2
+    peer_max_s: float = 30.0
+    budget_s: float = 480.0
+    spot_prompt: int = 32
+    spot_tokens: int = 8
+    eager: bool = False
+    seed: int = 0
+    read_bytes: int = 4 * GiB
+    matmul_n: int = 8192
+    ceiling_reps: int = 20
+
+
+QUICK = dict(preset="tiny", device="cpu", dtype="float32", contexts=(16, 48), prefill=(16, 48), decode_tokens=4,
+             warmup_steps=1, prefill_chunk=32, prefill_reps=2, recompute_context=16, recompute_steps=2,
+             peers=("hf",), peer_decode_tokens=3, peer_prefill_reps=1, budget_s=120.0, spot_prompt=8,
+             spot_tokens=4, read_bytes=16 << 20, matmul_n=128, ceiling_reps=3)
+
+
+# ---- HF peer: the model, its KDA kernel choice, its timings ---------------------------------------
+
+def hf_kda_backends() -> dict[str, str]:
+    """The module whose code each of HF's KDA names runs now: fla's, or HF's own torch fallback. HF's
+    decorator keeps the implementation it chose at import in its wrapper's closure."""
+    mod = importlib.import_module(HF_MODULE)
+    out = {}
+    for name in HF_KDA_FUNCS:
+        fn = getattr(mod, name)
+        try:
+            impl = inspect.getclosurevars(fn).nonlocals.get("implementation", fn)
+        except TypeError:  # not a plain function (a hub-kernel wrapper object): report what it is
+            impl = fn
+        out[name] = getattr(impl, "__module__", None) or "unknown"
+    return out
+
+
+@contextlib.contextmanager
+def hf_kernels(peer: str):
+    """Inside the block HF runs as `peer`: 'hf' with its torch KDA functions, 'hf-fla' as imported (fla)."""
+    if peer not in PEERS:
+        raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS}")
+    mod = importlib.import_module(HF_MODULE)
+    bound = {name: getattr(mod, name) for name in HF_KDA_FUNCS}
+    if peer == "hf":
+        for name, fn in bound.items():
+            setattr(mod, name, inspect.unwrap(fn))  # the decorator wraps the torch function it falls back to
+    try:
+        yield
+    finally:
+        for name, fn in bound.items():
+            setattr(mod, name, fn)
+
+
+def peer_unavailable(peer: str) -> str | None:
+    """Why `peer` cannot run in this process, or None."""
+    if peer == "hf":
+        return None
+    backends = hf_kda_backends()
+    if all(b.startswith("fla") for b in backends.values()):
+        return None
+    try:
+        import fla  # noqa: F401
+        why = "fla imports, but HF bound other kernels (fla was imported after HF's module?)"
+    except Exception as e:  # any import failure makes HF fall back; say which
+        why = f"import fla failed: {type(e).__name__}: {e}"
+    return f"peer hf-fla unavailable: HF's KDA functions are bound to {backends}; {why}"
+
+
+class _StepClock:
+    """A logits processor that stamps each generation step (after a device sync) and watches for NaN/inf."""
+
+    def __init__(self, device):
+        self.device, self.stamps, self.finite = device, [], []
+
+    def __call__(self, input_ids, scores):
+        self.finite.append(torch.isfinite(scores).all())
+        sync(self.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+@torch.no_grad()
+def hf_decode(hf, ids: torch.Tensor, steps: int, device) -> dict:
+    """HF `generate`, greedy, `steps` decode steps after the prompt: the prefill time (to the first token's
+    logits) and one latency sample per decoded token, generate's own per-step work included."""
+    from transformers import LogitsProcessorList
+
+    clock = _StepClock(device)
+    sync(device)
+    t0 = time.perf_counter()
+    hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+                do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=hf.config.pad_token_id,
+                logits_processor=LogitsProcessorList([clock]))
+    ms = [1000.0 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]
+    return {"samples": Samples(ms, 1000.0 * (clock.stamps[-1] - clock.stamps[0])),
+            "prefill_ms": 1000.0 * (clock.stamps[0] - t0), "finite": bool(torch.stack(clock.finite).all())}
+
+
+@torch.no_grad()
+def hf_prefill(hf, ids: torch.Tensor, reps: int, device) -> dict:
+    """HF forward over the prompt with its cache on, logits of the last position only."""
+    out = {}
+
+    def run():
+        out["logits"] = hf(ids, use_cache=True, logits_to_keep=1).logits
+
+    samples = time_calls(run, reps, device)
+    return {"samples": samples, "finite": bool(torch.isfinite(out.pop("logits")).all())}
+
+
+# ---- ours ------------------------------------------------------------------------------------------
+
+def choose_decoder(s: Settings, model):
+    """(impl, make(cache) -> decode callable, reason or None): the graph decoder when it can be used."""
+    eager = ("ours-eager", lambda cache: model.decode_step)
+    if s.eager:
+        return (*eager, "--eager: eager decode_step measured, not the graph decoder")
+    if torch.device(s.device).type != "cuda":
+        return (*eager, "CUDA graphs need a CUDA device: eager decode_step measured")
+    try:
+        from model.fast import GraphDecoder
+    except ImportError as e:
+        return (*eager, f"model.fast.GraphDecoder not importable ({e}): eager decode_step measured")
+    return "ours-graph", lambda cache: GraphDecoder(model, cache), None
+
+
+@torch.no_grad()
+def ours_decode(s: Settings, model, ids: torch.Tensor, make_decoder) -> dict:
+    T = ids.shape[1]
+    cache = model.new_cache(ids.shape[0], T + s.warmup_steps + s.decode_tokens + 1)
+    t0 = time.perf_counter()
+    for a in range(0, T, s.prefill_chunk):
+        logits = model.prefill(ids[:, a:a + s.prefill_chunk], cache)
+    sync(s.device)
+    prefill_s = time.perf_counter() - t0
+    finite = [torch.isfinite(logits).all()]
+    decode = make_decoder(cache)
+    state = {"tok": logits.argmax(-1)}
+
+    def step():
+        state["logits"] = decode(state["tok"], cache)
+        state["tok"] = state["logits"].argmax(-1)
+
+    for _ in range(s.warmup_steps):
+        step()
+    samples = time_steps(step, s.decode_tokens, s.device)
+    finite.append(torch.isfinite(state["logits"]).all())
+    return {"samples": samples, "prefill_s": prefill_s, "finite": bool(torch.stack(finite).all())}
+
+
+@torch.no_grad()
+def recompute_decode(s: Settings, model, ids: torch.Tensor) -> dict:
+    """Greedy steps that each run the whole sequence so far (the first one untimed, as warm-up)."""
+    state = {"ids": ids, "finite": []}
+
+    def step():
+        logits = model(state["ids"], last_only=True)
+        state["finite"].append(torch.isfinite(logits).all())
+        state["ids"] = torch.cat([state["ids"], logits.argmax(-1)[:, None]], dim=1)
+
+    step()
+    samples = time_steps(step, s.recompute_steps, s.device)
+    return {"samples": samples, "finite": bool(torch.stack(state["finite"]).all())}
+
+
+@torch.no_grad()
+def ours_prefill(s: Settings, model, ids: torch.Tensor) -> dict:
+    """`model.prefill` of the whole prompt into a fresh cache; one untimed run first (kernel compilation)."""
+    held = {}
+
+    def fresh_cache():
+        held.clear()  # the previous cache goes before the next is allocated
+        held["cache"] = model.new_cache(ids.shape[0], ids.shape[1])
+
+    def run():
+        held["logits"] = model.prefill(ids, held["cache"])
+
+    fresh_cache()
+    run()
+    samples = time_calls(run, s.prefill_reps, s.device, setup=fresh_cache)
+    return {"samples": samples, "finite": bool(torch.isfinite(held["logits"]).all())}
+
+
+# ---- running configurations -------------------------------------------------------------------------
+
+def free_memory(device) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def attempt(fn, device) -> tuple[dict | None, str | None]:
+    """(result, None), or (None, reason) after an OOM or any error; memory is released either way."""
+    try:
+        return fn(), None
+    except torch.cuda.OutOfMemoryError as e:
+        reason = f"out of memory: {str(e).splitlines()[0][:300]}"
+    except Exception as e:  # one configuration failing must not end an unattended run
+        traceback.print_exc()
+        reason = f"{type(e).__name__}: {str(e)[:500]}"
+    finally:
+        free_memory(device)
+    log(f"  FAILED: {reason}")
+    return None, reason
+
+
+@dataclass
+class Plan:
+    """Time estimates from the rates measured so far, and the skip rules; the budget runs from its creation."""
+    s: Settings
+    rates: dict = field(default_factory=lambda: {k: dict(v) for k, v in PLAN_RATES.items()})
+    started: float = field(default_factory=time.perf_counter)
+
+    def used_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def seconds(self, who: str, phase: str, T: int) -> float:
+        r = self.rates["ours" if who in ("ours", "recompute") else who]
+        s = self.s
+        if who == "ours" and phase == "decode":
+            return T / r["prefill"] + (s.warmup_steps + s.decode_tokens) / r["decode"] + PLAN_GRAPH_CAPTURE_S
+        if who == "ours":
+            return (1 + s.prefill_reps) * T / r["prefill"]
+        if who == "recompute":
+            return (1 + s.recompute_steps) * T / r["prefill"]
+        if phase == "decode":
+            return T / r["prefill"] + (s.peer_decode_tokens + 1) / r["decode"]
+        return s.peer_prefill_reps * T / r["prefill"]
+
+    def skip_reason(self, who: str, phase: str, T: int) -> str | None:
+        est = self.seconds(who, phase, T)
+        if who in PEERS and est > self.s.peer_max_s:
+            return f"{who} {phase} at context {T} skipped: estimated {est:.0f} s > --peer-max-s {self.s.peer_max_s:g}"
+        if self.used_s() + est > self.s.budget_s:
+            return (f"{who} {phase} at context {T} skipped: estimated {est:.0f} s would end past the run budget "
+                    f"--budget-s {self.s.budget_s:g} ({self.used_s():.0f} s used)")
+        return None
+
+    def learn(self, who: str, phase: str, tok_s: float) -> None:
+        """Only warm rates are learned: decode steps after warm-up, prefills after a run at the same length
+        (a first prefill at a new length may include kernel compilation and autotuning)."""
+        self.rates[who][phase] = tok_s
+
+
+@dataclass
+class Outcome:
+    """One side of a configuration: measured, failed, or not run (skipped/unavailable)."""
+    tok_s: float | None = None
+    samples: Samples | None = None
+    extra: dict = field(default_factory=dict)
+    reason: str | None = None
+    invalid: bool = False  # the reason makes the record INVALID (failure, NaN, peer missing), not a budget skip
+
+
+def measured(res: dict | None, reason: str | None, tokens: int, what: str) -> Outcome:
+    """An Outcome from `attempt`'s result; `tokens` per sample (1 for decode steps, T for a prefill)."""
+    if res is None:
+        return Outcome(reason=f"{what}: {reason}", invalid=True)
+    samples = res.pop("samples")
+    out = Outcome(tokens * samples.per_s, samples, res)
+    if not res.pop("finite"):
+        out.reason, out.invalid = f"{what}: NaN/inf in the logits", True
+    return out
+
+
+def groups(s: Settings) -> list[tuple[str, int]]:
+    """(phase, context) in the order they run: cheapest first. At the recompute context, recompute goes before
+    ours' decode, so a report that keys records by (phase, context) alone shows the graph decoder's, the later."""
+    out = []
+    for T in sorted(set(s.contexts) | set(s.prefill) | ({s.recompute_context} if s.recompute_steps else set())):
+        if s.recompute_steps and T == s.recompute_context:
+            out.append(("recompute", T))
+        if T in s.contexts:
+            out.append(("decode", T))
+        if T in s.prefill:
+            out.append(("prefill", T))
+    return out
+
+
+def estimate_s(s: Settings, plan: Plan) -> float:
+    """Seconds the measurements should take at the plan's rates (peers capped as the run caps them)."""
+    total = 0.0
+    for phase, T in groups(s):
+        if phase == "recompute":
+            total += plan.seconds("recompute", "decode", T)
+            continue
+        total += plan.seconds("ours", phase, T)
+        total += sum(min(plan.seconds(p, phase, T), s.peer_max_s) for p in s.peers)
+    return total
+
+
+class Bench:
+    def __init__(self, s: Settings, loaded, plan: Plan):
+        self.s, self.loaded, self.cfg, self.model, self.plan = s, loaded, loaded.cfg, loaded.model, plan
+        self.dtype = getattr(torch, s.dtype)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.records: list[dict] = []
+        self.impl, self.make_decoder, self.decoder_note = choose_decoder(s, self.model)
+        self.hf, self.unavailable, self.spot, self.kernels = None, {}, {}, {}
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def prompt(self, T: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.s.seed * 1_000_003 + T)
+        return torch.randint(0, self.cfg.vocab_size, (1, T), generator=g).to(self.s.device)
+
+    def measure_ceilings(self) -> None:
+        s = self.s
+        self.ceil = roofline.measure_ceilings(s.device, s.read_bytes, s.matmul_n, s.ceiling_reps)
+        log(f"ceilings: read {self.ceil.hbm_gbps:.0f} GB/s, bf16 matmul {self.ceil.matmul_tflops:.1f} TFLOP/s")
+
+    def setup_peers(self) -> None:
+        if not self.s.peers:
+            return
+        from model.hf import hf_from_state_dict
+        try:
+            self.hf = hf_from_state_dict(self.cfg, self.model.state_dict(), attn="sdpa")
+        except Exception as e:
+            traceback.print_exc()
+            for p in self.s.peers:
+                self.unavailable[p] = f"peer {p} unavailable: HF model could not be built: {type(e).__name__}: {e}"
+            return
+        for p in self.s.peers:
+            why = peer_unavailable(p)
+            if why:
+                self.unavailable[p] = why
+                log(why)
+            else:
+                with hf_kernels(p):
+                    self.kernels[p] = hf_kda_backends()
+                log(f"peer {p}: HF's KDA functions run {self.kernels[p]}")
+
+    @torch.no_grad()
+    def spot_check(self) -> None:
+        """First greedy tokens of ours (incremental, the measured decoder) vs each peer on a short prompt:
+        provenance for the speed numbers, not a gate. Also warms up HF's generate and kernels."""
+        from model.generate import generate_incremental
+        from model.hf import hf_greedy
+
+        s = self.s
+        prompt = self.prompt(s.spot_prompt)[0].tolist()
+        cache = self.model.new_cache(1, len(prompt) + s.spot_tokens)
+        res, why = attempt(lambda: generate_incremental(self.model, prompt, s.spot_tokens, cache=cache,
+                                                        decode=self.make_decoder(cache)).tokens, s.device)
+        del cache
+        for p in s.peers:
+            if p in self.unavailable:
+                continue
+            if res is None:
+                self.spot[p] = {"error": f"ours: {why}"}
+                continue
+            with hf_kernels(p):
+                theirs, pwhy = attempt(lambda: hf_greedy(self.hf, prompt, s.spot_tokens, topk=1)[0], s.device)
+            if theirs is None:
+                self.spot[p] = {"error": f"{p}: {pwhy}"}
+            else:
+                agree = sum(a == b for a, b in zip(res, theirs))
+                self.spot[p] = {"agree": agree, "total": s.spot_tokens, "prompt_len": len(prompt)}
+            log(f"spot check vs {p}: {self.spot[p]}")
+
+    # -- one configuration ------------------------------------------------------------------------------
+    def run_ours(self, who: str, phase: str, T: int, fn) -> Outcome:
+        why = self.plan.skip_reason(who, phase, T)
+        if why:
+            log(f"  {why}")
+            return Outcome(reason=why, invalid=True)
+        if torch.device(self.s.device).type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        res, err = attempt(fn, self.s.device)
+        out = measured(res, err, T if phase == "prefill" else 1, who)
+        if torch.device(self.s.device).type == "cuda":
+            out.extra["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+        if out.tok_s and who == "ours":
+            self.plan.learn("ours", phase, out.tok_s)
+        return out
+
+    def run_peer(self, peer: str, phase: str, T: int, ids: torch.Tensor) -> Outcome:
+        if peer in self.unavailable:
+            return Outcome(reason=self.unavailable[peer], invalid=True)
+        why = self.plan.skip_reason(peer, phase, T)
+        if why:
+            log(f"  {why}")
+            return Outcome(reason=why)
+        s = self.s
+        with hf_kernels(peer):
+            if phase == "decode":
+                res, err = attempt(lambda: hf_decode(self.hf, ids, s.peer_decode_tokens, s.device), s.device)
+            else:
+                res, err = attempt(lambda: hf_prefill(self.hf, ids, s.peer_prefill_reps, s.device), s.device)
+        out = measured(res, err, T if phase == "prefill" else 1, peer)
+        if out.tok_s:
+            self.plan.learn(peer, phase, out.tok_s)
+        return out
+
+    def group(self, phase: str, T: int) -> None:
+        """Ours (or recompute) and every peer at one context; records appended at the end of the group."""
+        s, ids = self.s, self.prompt(T)
+        who = "recompute" if phase == "recompute" else "ours"
+        log(f"{phase} at context {T}: {self.impl if phase == 'decode' else who}")
+        if phase == "decode":
+            ours = self.run_ours(who, "decode", T, lambda: ours_decode(s, self.model, ids, self.make_decoder))
+        elif phase == "recompute":
+            ours = self.run_ours(who, "decode", T, lambda: recompute_decode(s, self.model, ids))
+        else:
+            ours = self.run_ours(who, "prefill", T, lambda: ours_prefill(s, self.model, ids))
+        if ours.tok_s:
+            log(f"  {who}: {ours.tok_s:,.1f} tok/s (median {summarize(ours.samples.samples_ms)['median_ms']:.3f} ms)")
+        peers = {}
+        for p in s.peers if phase != "recompute" else ():
+            if ours.tok_s is None:  # the record is INVALID already; spend the time elsewhere
+                peers[p] = Outcome(reason=f"{p} not run: ours has no measurement at this context", invalid=True)
+                continue
+            peers[p] = self.run_peer(p, phase, T, ids)
+            if peers[p].tok_s:
+                log(f"  {p}: {peers[p].tok_s:,.1f} tok/s")
+        del ids
+        free_memory(s.device)
+        for p in peers or [None]:
+            self.record(phase, T, ours, p, peers.get(p))
+
+    # -- records --------------------------------------------------------------------------------------
+    def record(self, phase: str, T: int, ours: Outcome, peer: str | None, theirs: Outcome | None) -> None:
+        """One `bench` record: ours at this configuration, against one peer (or none)."""
+        from records.store import append, make_record
+
+        s, cfg, decode = self.s, self.cfg, phase != "prefill"
+        params = {"phase": "decode" if decode else "prefill", "context": T, "batch": 1,
+                  "decode_tokens": {"decode": s.decode_tokens, "recompute": s.recompute_steps, "prefill": 0}[phase],
+                  "impl": {"decode": self.impl, "recompute": "recompute", "prefill": "ours-eager"}[phase],
+                  "peer": peer, "run": self.run_id}
+        if phase == "decode":
+            params["prefill_chunk"] = s.prefill_chunk
+        if phase == "prefill":
+            params.update(reps=s.prefill_reps, peer_reps=s.peer_prefill_reps)
+        if peer and phase == "decode":
+            params["peer_decode_tokens"] = s.peer_decode_tokens
+
+        if decode:
+            roof = roofline.decode_roofline_tok_s(cfg, T, self.ceil.hbm_gbps, self.dtype)
+            work = {"bytes_per_token": roofline.decode_bytes_per_token(cfg, T, self.dtype)}
+        else:
+            roof = roofline.prefill_roofline_tok_s(cfg, T, self.ceil.matmul_tflops)
+            work = {"flops_per_token": roofline.prefill_flops_per_token(cfg, T)}
+        results = {"tok_s": ours.tok_s, "peer": peer, "peer_tok_s": None, "speedup_vs_peer": None,
+                   "roofline_tok_s": roof, "roofline_fraction": ours.tok_s / roof if ours.tok_s else None,
+                   "hbm_gbps": self.ceil.hbm_gbps, "matmul_tflops": self.ceil.matmul_tflops, **work,
+                   "samples_ms": ours.samples.samples_ms if ours.samples else [], **ours.extra}
+        if ours.samples:
+            results.update(summarize(ours.samples.samples_ms))
+        if theirs is not None:
+            results.update(peer_kernels=self.kernels.get(peer), spot_check=self.spot.get(peer),
+                           **{f"peer_{k}": v for k, v in theirs.extra.items()})
+        if theirs is not None and theirs.samples:
+            results.update(peer_tok_s=theirs.tok_s, peer_samples_ms=theirs.samples.samples_ms,
+                           peer_median_ms=summarize(theirs.samples.samples_ms)["median_ms"])
+            if ours.tok_s:
+                results["speedup_vs_peer"] = ours.tok_s / theirs.tok_s
+
+        sides = [o for o in (ours, theirs) if o is not None]
+        reasons = [o.reason for o in sides if o.reason]
+        if phase == "decode" and self.decoder_note:
+            reasons.append(self.decoder_note)
+        rec = make_record("bench", preset=s.preset, dtype=s.dtype, device=s.device,
+                          weights=self.loaded.fingerprint, params=params, results=results,
+                          verdict="INVALID" if any(o.invalid for o in sides) else "VALID", reasons=reasons)
+        append(rec)
+        self.records.append(rec)
+
+    # -- the whole run --------------------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        self.measure_ceilings()
+        self.setup_peers()
+        self.spot_check()
+        for phase, T in groups(self.s):
+            self.group(phase, T)
+        self.summary()
+        return self.records
+
+    def summary(self) -> None:
+        log("summary (tok/s; roofline fraction; peers):")
+        print(f"{'phase':8} {'context':>8} {'impl':11} {'tok/s':>10} {'roofline':>9} {'peer':7} {'peer tok/s':>10} "
+              f"{'speedup':>8}  verdict", flush=True)
+        for r in self.records:
+            p, q = r["params"], r["results"]
+
+            def f(x, spec):
+                return "-" if x is None else format(x, spec)
+
+            print(f"{p['phase']:8} {p['context']:>8} {p['impl']:11} {f(q['tok_s'], ',.1f'):>10} "
+                  f"{f(q['roofline_fraction'], '.1%'):>9} {str(p['peer']):7} {f(q['peer_tok_s'], ',.1f'):>10} "
+                  f"{f(q['speedup_vs_peer'], '.1f'):>8}  {r['verdict']}"
+                  + (f" ({'; '.join(x[:120] for x in r['reasons'])})" if r["reasons"] else ""), flush=True)
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"lengths must be >= 1, got {text!r}")
+    return vals
+
+
+def _peers(text: str) -> tuple[str, ...]:
+    vals = tuple(x.strip() for x in text.split(",") if x.strip() and x.strip() != "none")
+    bad = [v for v in vals if v not in PEERS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown peers {bad}; expected a subset of {PEERS} or 'none'")
+    return vals
+
+
+def settings(argv: list[str] | None = None) -> Settings:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_e2e", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny preset on the CPU, small everything (smoke test)")
+    ap.add_argument("--preset")
+    ap.add_argument("--device")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--contexts", type=_ints, help="decode contexts (tokens in the cache)")
+    ap.add_argument("--prefill", type=_ints, help="prefill lengths")
+    ap.add_argument("--decode-tokens", type=int, help="timed decode steps per context (ours)")
+    ap.add_argument("--prefill-chunk", type=int, help="tokens per prefill call when filling a decode context")
+    ap.add_argument("--recompute-context", type=int)
+    ap.add_argument("--recompute-steps", type=int, help="timed recompute steps (0: none)")
+    ap.add_argument("--peers", type=_peers, help=f"comma-separated subset of {PEERS}, or 'none'")
+    ap.add_argument("--peer-decode-tokens", type=int)
+    ap.add_argument("--peer-max-s", type=float, help="skip a peer configuration estimated to take longer")
+    ap.add_argument("--budget-s", type=float, help="skip what would end past this many seconds of the run")
+    ap.add_argument("--eager", action="store_true", help="time eager decode_step instead of the graph decoder")
+    ap.add_argument("--seed", type=int)
+    a = ap.parse_args(argv)
+    base = Settings(**QUICK) if a.quick else Settings()
+    if a.device is None and not a.quick and not torch.cuda.is_available():
+        ap.error("no CUDA device here: use --quick for the CPU smoke run, or --device cpu with a small --preset")
+    given = {k: v for k, v in vars(a).items() if v is not None and k != "quick" and v is not False}
+    s = replace(base, **given)
+    for name in ("decode_tokens", "prefill_chunk", "peer_decode_tokens", "recompute_context"):
+        if getattr(s, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if s.recompute_steps < 0:
+        ap.error("--recompute-steps must be >= 0")
+    return s
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    # fla reads this when imported (by HF's module, later): measure its Triton KDA path (SPEC.md §2).
+    os.environ.setdefault("FLA_FLASH_KDA", "0")
+    from gates.memory import param_counts
+    from model.build import load_model
+    from model.config import get_config
+
+    s = settings(argv)
+    log(f"bench_e2e: {s}")
+    weight_gb = param_counts(get_config(s.preset)).total * getattr(torch, s.dtype).itemsize / 1e9
+    plan = Plan(s)
+    log(f"plan: {weight_gb:.1f} GB of synthetic weights (~{weight_gb / PLAN_SYNTH_GBPS:.0f} s), then "
+        f"{groups(s)} in ~{estimate_s(s, plan):.0f} s at the rates {PLAN_RATES} (tok/s, updated as measured); "
+        f"budget {s.budget_s:g} s from the start, each peer configuration capped at {s.peer_max_s:g} s")
+    loaded = load_model(s.preset, device=s.device, dtype=getattr(torch, s.dtype), seed=s.seed)
+    sync(s.device)
+    log(f"weights {loaded.source} {loaded.fingerprint} on {loaded.model.device}")
+    bench = Bench(s, loaded, plan)
+    records = bench.run()
+    bad = sum(r["verdict"] != "VALID" for r in records)
+    log(f"done: {len(records)} bench records appended ({bad} INVALID), run {bench.run_id}")
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""KDA kernel speed: our Triton kernels against fla-core 0.6.0 on the same inputs, in one process.
+
+    python -m benchmarks.bench_kernels [--chunk-T 1024,8192,32768] [--decode-B 1,8,64] [--rep-ms 200]
+
+Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
+FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=32 heads, head dim 128, bf16.
+- chunk prefill, batch 1, fp32 initial state: our `chunk_kda_fwd` vs fla's `chunk_kda`, both L2-normalising
+  q/k in the kernel and taking the same q, k, v, g (log decay, fp32) and beta (after the sigmoid);
+- decode step, one token per sequence: our whole step in one launch (conv-tap update, conv + SiLU, gate,
+  beta, L2 norm, state update, output, gated output RMSNorm) vs fla's `fused_recurrent_kda` call alone (given
+  the post-conv q/k/v, the gate and beta, L2 norm in its kernel). The issue's target compares exactly these.
+Times are medians of `triton.testing.do_bench` (L2 flushed before each call, CUDA events: GPU time, as under
+the model's CUDA graph); decode shapes also record back-to-back eager times (host launch cost included).
+Outputs are compared in the same run (relative RMS error, fla as the reference). One `kernel` record per shape;
+an error in one shape or side becomes an INVALID record and the run goes on. Without fla, ours is still timed
+and every record is INVALID with reason "peer unavailable: ...".
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import traceback
+
+import torch
+
+from benchmarks.timing import log
+
+H, D, W = 32, 128, 4
+DTYPE = torch.bfloat16
+PEER = "fla-0.6.0"
+PEER_TOL = 2e-2  # bf16 outputs of two fp32-accumulating implementations of the same math
+
+
+def rel_err(x, ref) -> float:
+    x, ref = x.double(), ref.double()
+    return float((ref - x).norm() / ref.norm().clamp_min(1e-300))
+
+
+def load_fla():
+    """(chunk_kda, fused_recurrent_kda) from fla, or (None, why)."""
+    os.environ.setdefault("FLA_FLASH_KDA", "0")  # read by fla when imported: its Triton path, SPEC.md §2
+    try:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    except Exception as e:  # any import failure means: no peer in this run
+        return None, f"peer unavailable: import fla failed: {type(e).__name__}: {e}"
+    return (chunk_kda, fused_recurrent_kda), None
+
+
+def gpu_ms(fn, rep_ms: int) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+def eager_ms(fn, n: int = 200) -> float:
+    """Mean time per call of n calls issued back to back: includes the host's launch cost when it dominates."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def gate_inputs(B, T, gen):
+    """The model's gate and beta on random activations: g fp32 [B,T,H,D], beta [B,T,H]."""
+    from model import kda
+    A_log = (torch.rand(H, generator=gen) * 3 - 1).cuda()
+    dt_bias = torch.randn(H * D, generator=gen).cuda()
+    f = torch.randn(B, T, H * D, generator=gen).cuda().to(DTYPE)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen)).cuda().to(DTYPE)
+    return kda.kda_gate(f, A_log, dt_bias, D), beta
+
+
+def chunk_case(T: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
+    from model.triton.kda_chunk import chunk_kda_fwd
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, T, H, D, generator=gen).cuda().to(DTYPE) for _ in range(3))
+    g, beta = gate_inputs(1, T, gen)
+    h0 = torch.randn(1, H, D, D, generator=gen).cuda()
+
+    def ours():
+        return chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+    o, ht = ours()
+    res, reasons = {"ours_ms": gpu_ms(ours, rep_ms)}, []
+    if not (torch.isfinite(o).all() and torch.isfinite(ht).all()):
+        reasons.append("ours produced non-finite values")
+    if peer is not None:
+        def theirs():
+            return peer[0](q, k, v, g, beta, scale=D ** -0.5, initial_state=h0, output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+
+        po, pht = theirs()
+        res.update(peer_ms=gpu_ms(theirs, rep_ms), rel_err_vs_peer=rel_err(o, po),
+                   state_rel_err_vs_peer=rel_err(ht, pht))
+    return res, reasons
+
+
+def decode_case(B: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
+    from model import kda
+    from model.triton.kda_decode import fused_kda_decode
+    gen = torch.Generator().manual_seed(B)
+    C = 3 * H * D
+    qkv_raw = torch.randn(B, C, generator=gen).cuda().to(DTYPE)
+    taps = torch.randn(B, W - 1, C, generator=gen).cuda().to(DTYPE)
+    conv_w = (0.5 * torch.randn(C, W, generator=gen)).cuda().to(DTYPE)
+    f = torch.randn(B, H * D, generator=gen).cuda().to(DTYPE)
+    A_log = (torch.rand(H, generator=gen) * 3 - 1).cuda()
+    dt_bias = torch.randn(H * D, generator=gen).cuda()
+    b_raw = torch.randn(B, H, generator=gen).cuda().to(DTYPE)
+    out_gate = torch.randn(B, H * D, generator=gen).cuda().to(DTYPE)
+    norm_w = (1 + 0.1 * torch.randn(D, generator=gen)).cuda().to(DTYPE)
+    state = torch.randn(B, H, D, D, generator=gen).cuda()
+    # what fla is handed: the conv, gate and beta the model computes before its kernel
+    y, _ = kda.causal_conv1d(qkv_raw[:, None], conv_w, taps)
+    q, k, v = (t.unflatten(-1, (H, D)) for t in y.chunk(3, dim=-1))
+    g = kda.kda_gate(f[:, None], A_log, dt_bias, D)
+    beta = torch.sigmoid(b_raw.float())[:, None]
+
+    o = fused_kda_decode(qkv_raw, taps.clone(), conv_w, f, A_log, dt_bias, b_raw, state.clone())
+    s_ours, t_ours = state.clone(), taps.clone()
+
+    def ours():
+        return fused_kda_decode(qkv_raw, t_ours, conv_w, f, A_log, dt_bias, b_raw, s_ours,
+                                out_gate=out_gate, norm_weight=norm_w)
+
+    res, reasons = {"ours_ms": gpu_ms(ours, rep_ms), "ours_eager_ms": eager_ms(ours)}, []
+    if not torch.isfinite(o).all() or not torch.isfinite(ours()).all():
+        reasons.append("ours produced non-finite values")
+    if peer is not None:
+        s_peer = state.clone()
+
+        def theirs():
+            return peer[1](q, k, v, g, beta, scale=D ** -0.5, initial_state=s_peer, output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+
+        po, _ = theirs()
+        res.update(peer_ms=gpu_ms(theirs, rep_ms), peer_eager_ms=eager_ms(theirs),
+                   rel_err_vs_peer=rel_err(o, po[:, 0]))
+    return res, reasons
+
+
+def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int) -> dict:
+    from records import store
+    params = {"op": op, "B": B, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
+    if op == "kda_decode_step":
+        params.update(ours_scope="conv-tap update through gated output norm, one launch",
+                      peer_scope="fused_recurrent_kda call alone")
+    log(f"{op} B={B} T={T} ...")
+    try:
+        fn = chunk_case if op == "chunk_kda" else decode_case
+        results, reasons = fn(T if op == "chunk_kda" else B, peer, rep_ms)
+    except Exception as e:  # one failing shape must not end the run
+        traceback.print_exc()
+        results, reasons = {}, [f"{op} failed: {type(e).__name__}: {e}"]
+    results["peer"] = PEER
+    if peer_missing:
+        reasons.append(peer_missing)
+    if "peer_ms" in results:
+        results["speedup"] = results["peer_ms"] / results["ours_ms"]
+        if not results["rel_err_vs_peer"] <= PEER_TOL:
+            reasons.append(f"ours differs from {PEER}: relative RMS error {results['rel_err_vs_peer']:.3g} "
+                           f"> {PEER_TOL}")
+    elif not reasons:
+        reasons.append("peer produced no time")
+    rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=torch.cuda.get_device_name(),
+                            weights=None, params=params, results=results,
+                            verdict="INVALID" if reasons else "VALID", reasons=reasons)
+    store.append(rec)
+    log(f"  {results}  {rec['verdict']} {reasons}")
+    return rec
+
+
+def _ms(ms) -> str:
+    return "-" if ms is None else f"{ms:.4f}"
+
+
+def summarize(recs: list[dict]) -> None:
+    log("summary (GPU ms, do_bench median):")
+    for r in recs:
+        p, x = r["params"], r["results"]
+        ours, theirs = x.get("ours_ms"), x.get("peer_ms")
+        line = f"  {p['op']:16s} B={p['B']:<3d} T={p['T']:<6d} ours={_ms(ours)}  {PEER}={_ms(theirs)}"
+        if "speedup" in x:
+            line += f"  speedup={x['speedup']:.2f}x  rel_err={x['rel_err_vs_peer']:.2e}"
+        log(line + f"  {r['verdict']}")
+    targets = [("chunk_kda", 8192, "<="), ("kda_decode_step", 1, "<"), ("kda_decode_step", 64, "<")]
+    for op, n, cmp in targets:
+        for r in recs:
+            p, x = r["params"], r["results"]
+            if p["op"] == op and (p["T"] if op == "chunk_kda" else p["B"]) == n and "speedup" in x:
+                ok = x["ours_ms"] <= x["peer_ms"] if cmp == "<=" else x["ours_ms"] < x["peer_ms"]
+                log(f"  target {op} {'T' if op == 'chunk_kda' else 'B'}={n}: ours {cmp} fla: {'MET' if ok else 'MISSED'}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--chunk-T", default="1024,8192,32768")
+    ap.add_argument("--decode-B", default="1,8,64")
+    ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels needs a CUDA device")
+    peer, peer_missing = load_fla()
+    log(f"peer: {PEER if peer else peer_missing}")
+    recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms) for T in args.chunk_T.split(",")]
+    recs += [run_case("kda_decode_step", int(B), 1, peer, peer_missing, args.rep_ms) for B in args.decode_B.split(",")]
+    summarize(recs)
+
+
+if __name__ == "__main__":
+    main()

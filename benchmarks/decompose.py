@@ -1,0 +1,257 @@
+"""Where a decode step's time goes: a PyTorch-profiler trace of N decode steps, kernels mapped to categories.
+
+    python -m benchmarks.decompose [--preset 48b-a3b] [--steps 32] [--context 1024] [--modes eager,graph] [--quick]
+
+A random prompt of `--context` tokens is prefilled, then each mode decodes greedily: `eager` is
+`model.decode_step` launched op by op from Python, `graph` the CUDA-graph decoder (`model.fast.GraphDecoder`).
+After warm-up, the steps are timed once with CUDA events and no profiler (`step_ms_unprofiled`), then traced
+with torch.profiler (CPU + CUDA activity). The trace's GPU kernel, memcpy and memset events go through
+`benchmarks.categories.decompose`: per-category shares of kernel time, the GPU idle fraction between kernels,
+the time per step. On a CPU (`--quick`) there are no kernels: the innermost profiled operators (leaf
+`cpu_op` events) stand in for them.
+
+Kernels replayed from a CUDA graph are not reported individually by every torch/CUPTI version. When the
+graph trace holds fewer kernels per step than the model has layers, the graph record is INVALID and says so,
+and the eager record (traced in the same run by default) is the one whose categories to read. The eager trace
+includes the profiler's own host overhead, so its idle fraction is an upper bound; `step_ms_unprofiled` is not.
+
+The reduced trace (GPU events and CUDA runtime calls; CPU operators on a CPU) is written gzipped to
+`reports/traces/`, one file per mode, and one `decomposition` record per mode is appended; eager first, so
+the graph record, the production path, is the latest.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import json
+import os
+import tempfile
+import traceback
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from benchmarks.categories import categorize, decompose
+from benchmarks.timing import log, summarize, sync, time_steps
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODES = ("eager", "graph")
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+TRACE_KEEP = {"cuda": set(GPU_CATS) | {"cuda_runtime", "cuda_driver", "user_annotation", "gpu_user_annotation"},
+              "cpu": {"cpu_op", "user_annotation"}}
+PROFILER_WAIT, PROFILER_WARMUP = 1, 2  # steps the profiler skips, then traces but discards, before the active ones
+WARMUP_STEPS = 4
+TOP_KERNELS = 15
+
+
+def leaf_ops(events: list[dict]) -> list[dict]:
+    """CPU operators that contain no other operator of their thread (ops nest properly within a thread)."""
+    by_thread = defaultdict(list)
+    for e in events:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    leaves = []
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        for a, b in zip(evs, evs[1:] + [None]):
+            if b is None or b["ts"] >= a["ts"] + a["dur"]:
+                leaves.append(a)
+    return leaves
+
+
+def trace_events(trace: dict, device_type: str) -> list[dict]:
+    """The events that stand for device work: GPU kernels/copies/fills on CUDA, leaf operators on a CPU."""
+    evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    if device_type == "cuda":
+        return [e for e in evs if e.get("cat") in GPU_CATS]
+    return leaf_ops([e for e in evs if e.get("cat") == "cpu_op"])
+
+
+def top_kernels(events: list[dict], steps: int, n: int = TOP_KERNELS) -> list[dict]:
+    total = sum(e["dur"] for e in events) or 1.0
+    agg = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        agg[e["name"]][0] += e["dur"]
+        agg[e["name"]][1] += 1
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"name": name[:200], "category": categorize(name), "us_per_step": us / steps,
+             "calls_per_step": calls / steps, "share": us / total} for name, (us, calls) in rows]
+
+
+def write_trace(trace: dict, device_type: str, path: Path) -> int:
+    """The trace reduced to what the decomposition reads (plus host launch calls), gzipped; returns bytes."""
+    keep = TRACE_KEEP[device_type]
+    small = dict(trace)
+    small["traceEvents"] = [e for e in trace.get("traceEvents", []) if e.get("ph") == "M" or e.get("cat") in keep]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt", compresslevel=6) as f:
+        json.dump(small, f, separators=(",", ":"))
+    return path.stat().st_size
+
+
+def profile_steps(step, steps: int, device) -> dict:
+    """Chrome trace (as a dict) of `steps` calls of `step`, after the profiler's own wait and warm-up steps."""
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    total = PROFILER_WAIT + PROFILER_WARMUP + steps
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        with profile(activities=activities, schedule=schedule(wait=PROFILER_WAIT, warmup=PROFILER_WARMUP,
+                                                              active=steps, repeat=1),
+                     on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
+            for i in range(total):
+                step()
+                if i == total - 1:
+                    sync(device)  # the last step's kernels finish inside the traced window
+                prof.step()
+        with open(path) as f:
+            return json.load(f)
+
+
+@torch.no_grad()
+def run_mode(model, mode: str, ids: torch.Tensor, steps: int, prefill_chunk: int, device) -> dict:
+    """Prefill, warm up, time without the profiler, then trace: returns the trace and the unprofiled samples."""
+    T = ids.shape[1]
+    cache = model.new_cache(1, T + 1 + WARMUP_STEPS + 2 * steps + PROFILER_WAIT + PROFILER_WARMUP)
+    for a in range(0, T, prefill_chunk):
+        logits = model.prefill(ids[:, a:a + prefill_chunk], cache)
+    if mode == "graph":
+        from model.fast import GraphDecoder
+        decode = GraphDecoder(model, cache)
+    else:
+        decode = model.decode_step
+    state = {"tok": logits.argmax(-1)}
+
+    def step():
+        state["tok"] = decode(state["tok"], cache).argmax(-1)
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    unprofiled = time_steps(step, steps, device)
+    trace = profile_steps(step, steps, device)
+    return {"trace": trace, "unprofiled": unprofiled}
+
+
+def summarize_trace(events: list[dict], steps: int, mode: str, layers: int) -> tuple[dict, list[str]]:
+    """(results, reasons that make the record INVALID) from one mode's device events."""
+    per_step = len(events) / steps
+    if mode == "graph" and per_step < layers:
+        return {"kernels_per_step": per_step}, [
+            f"the profiler attributed {per_step:.1f} kernels per step inside CUDA graph replays, fewer than the "
+            f"{layers} layers: this torch/CUPTI does not report graph kernels one by one; the eager record of the "
+            f"same run carries the categories"]
+    if not events:
+        return {"kernels_per_step": 0.0}, ["the trace holds no device events to decompose"]
+    d = decompose([(e["name"], e["ts"], e["dur"]) for e in events], steps)
+    return {"kernels_per_step": per_step, "shares": d["shares"], "idle_fraction": d["idle_fraction"],
+            "step_ms": d["step_ms"], "kernel_us": d["kernel_us"], "busy_us": d["busy_us"], "wall_us": d["wall_us"],
+            "n_kernels": d["n_kernels"], "top_kernels": top_kernels(events, steps)}, []
+
+
+def shown_path(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def describe(r: dict) -> str:
+    shares = sorted(r["shares"].items(), key=lambda kv: -kv[1])
+    return (f"{r['kernels_per_step']:.0f} kernels/step, {r['step_ms']:.3f} ms/step traced, "
+            f"{r['step_ms_unprofiled']:.3f} ms unprofiled, idle {r['idle_fraction']:.1%}; "
+            + ", ".join(f"{k} {v:.1%}" for k, v in shares if v > 0)
+            + f"; trace {r['trace']} ({r['trace_bytes'] / 1e6:.1f} MB)")
+
+
+def graph_unavailable(device) -> str | None:
+    if torch.device(device).type != "cuda":
+        return "graph mode needs a CUDA device"
+    try:
+        import model.fast  # noqa: F401
+    except ImportError as e:
+        return f"model.fast not importable ({e})"
+    return None
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from model.build import load_model
+    from records.store import append, make_record
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decompose", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny preset on the CPU (smoke test)")
+    ap.add_argument("--preset")
+    ap.add_argument("--device")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--context", type=int)
+    ap.add_argument("--modes", default="eager,graph", help=f"comma-separated subset of {MODES}")
+    ap.add_argument("--prefill-chunk", type=int, default=8192)
+    ap.add_argument("--trace-dir", default=str(REPO_ROOT / "reports" / "traces"))
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    quick = dict(preset="tiny", device="cpu", dtype="float32", steps=4, context=16)
+    full = dict(preset="48b-a3b", device="cuda", dtype="bfloat16", steps=32, context=1024)
+    for k, v in (quick if a.quick else full).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes must be a comma-separated subset of {MODES}, got {a.modes!r}")
+    if a.steps < 1 or a.context < 1:
+        ap.error("--steps and --context must be >= 1")
+    if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device here: use --quick for the CPU smoke run")
+    device_type = torch.device(a.device).type
+
+    notes = []
+    if "graph" in modes and (why := graph_unavailable(a.device)):
+        log(f"graph mode not profiled: {why}")
+        notes.append(f"graph mode not profiled: {why}")
+        modes.remove("graph")
+    modes.sort(key=MODES.index)  # eager first: the graph record, when there is one, is the latest
+
+    log(f"decompose: {a.preset} {a.dtype} on {a.device}, context {a.context}, {a.steps} steps, modes {modes}")
+    loaded = load_model(a.preset, device=a.device, dtype=getattr(torch, a.dtype), seed=a.seed)
+    model, cfg = loaded.model, loaded.cfg
+    log(f"weights {loaded.source} {loaded.fingerprint}")
+    g = torch.Generator().manual_seed(a.seed * 1_000_003 + a.context)
+    ids = torch.randint(0, cfg.vocab_size, (1, a.context), generator=g).to(a.device)
+    run_id = uuid.uuid4().hex[:12]
+    records = []
+    for mode in modes:
+        log(f"{mode}: prefill, warm-up, {a.steps} timed steps, {a.steps} profiled steps")
+        params = {"mode": mode, "steps": a.steps, "context": a.context, "batch": 1, "device": device_type,
+                  "run": run_id}
+        try:
+            out = run_mode(model, mode, ids, a.steps, a.prefill_chunk, a.device)
+        except Exception as e:  # e.g. a graph capture failing: keep the other mode's record, say what broke
+            traceback.print_exc()
+            out, results = None, {}
+            problems = [f"{mode} decode could not be traced: {type(e).__name__}: {str(e)[:500]}"]
+        if out is not None:
+            events = trace_events(out["trace"], device_type)
+            path = Path(a.trace_dir) / f"decompose_{a.preset}_{mode}_ctx{a.context}_{run_id}.json.gz"
+            size = write_trace(out["trace"], device_type, path)
+            results, problems = summarize_trace(events, a.steps, mode, cfg.num_hidden_layers)
+            results.update({"step_ms_unprofiled": summarize(out["unprofiled"].samples_ms)["median_ms"],
+                            "trace": shown_path(path), "trace_bytes": size,
+                            "events": "gpu kernels, memcpy, memset" if device_type == "cuda"
+                            else "leaf cpu operators (no GPU)"})
+        rec = make_record("decomposition", preset=a.preset, dtype=a.dtype, device=a.device,
+                          weights=loaded.fingerprint, params=params, results=results,
+                          verdict="INVALID" if problems else "VALID", reasons=notes + problems)
+        append(rec)
+        records.append(rec)
+        log(f"{mode}: {rec['verdict']} {describe(results) if not problems else '; '.join(problems)}")
+        del out
+        gc.collect()
+        if device_type == "cuda":
+            torch.cuda.empty_cache()
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""One KDA decode step in one Triton launch: the fast twin of composing `model.kda.causal_conv1d`,
+`kda_gate`, sigmoid and `recurrent_kda_step` (and, optionally, the gated output RMSNorm).
+
+One program per (sequence, head) owns that head's whole fp32 state [K, V] (64 KB at d=128) and its
+q/k/v conv channels, so the in-place updates of state and conv taps need no cross-program care.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import model.triton as mt
+
+
+@triton.jit
+def _short_conv(x, taps, conv_w, i_b, ch, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """Depthwise causal conv of the current input with the W-1 stored taps, then SiLU, for channels ch.
+
+    Rounds where `causal_conv1d` does: inputs to the weight dtype, the conv and the SiLU results to
+    the weight dtype, then to the input dtype. Returns (activation fp32 [D], old taps [WP, D], x [D]).
+    """
+    j = tl.arange(0, WP)
+    m_j = (j < W - 1)[:, None]
+    p_taps = taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :]
+    old = tl.load(p_taps, mask=m_j, other=0.)
+    b_x = tl.load(x + i_b.to(tl.int64) * C + ch)
+    w_taps = tl.load(conv_w + ch[None, :] * W + j[:, None], mask=m_j, other=0.)
+    w_now = tl.load(conv_w + ch * W + (W - 1))
+    wdt = conv_w.dtype.element_ty
+    xdt = x.dtype.element_ty
+    acc = tl.sum(old.to(xdt).to(wdt).to(tl.float32) * w_taps.to(tl.float32), axis=0)
+    acc += b_x.to(wdt).to(tl.float32) * w_now.to(tl.float32)
+    y = acc.to(wdt).to(tl.float32)
+    y = (y * tl.sigmoid(y)).to(wdt).to(xdt).to(tl.float32)
+    return y, old, b_x
+
+
+@triton.jit
+def _shift_taps(taps, i_b, ch, old, b_x, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """Drop the oldest tap and append the current input (taps hold the last W-1 inputs)."""
+    j = tl.arange(0, WP)
+    p_taps = taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :]
+    tl.store(p_taps - C, old, mask=((j >= 1) & (j < W - 1))[:, None])
+    tl.store(taps + (i_b * (W - 1) + W - 2).to(tl.int64) * C + ch, b_x.to(taps.dtype.element_ty))
+
+
+@triton.jit
+def _softplus(x):
+    # torch's softplus (threshold 20); log1p(z) via log(1+z) * z / ((1+z) - 1) keeps tiny z exact
+    z = tl.exp(x)
+    one_z = 1. + z
+    log1p = tl.where(one_z == 1., z, tl.log(one_z) * z / (one_z - 1.))
+    return tl.where(x > 20., x, log1p)
+
+
+@triton.jit
+def _decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, scale, eps,
+                   H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                   HAS_NORM: tl.constexpr):
+    """One token of KDA for one (sequence, head). Grid (B*H,).
+
+    Tiles: the state S [D, D] fp32 (K rows, V columns) and the conv taps [W-1 -> WP, D] per stream.
+        q, k, v = silu(conv(taps, x))        (per channel; taps shifted in place)
+        g = -exp(A_log[h]) * softplus(f + dt_bias);  beta = sigmoid(b_raw)
+        q = l2norm(q) * scale;  k = l2norm(k)
+        S <- S * exp(g)[:, None];  S <- S + k (beta (v - S^T k))^T;  o = S^T q
+    With HAS_NORM, o is replaced by rmsnorm(o) * norm_w * sigmoid(out_gate) (KimiLinearRMSNormGated
+    on the o rounded to the model dtype, as the unfused path would see it).
+    """
+    i_bh = tl.program_id(0)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    cd = tl.arange(0, D)
+    C: tl.constexpr = 3 * H * D
+    b_q, q_old, q_x = _short_conv(qkv, taps, conv_w, i_b, i_h * D + cd, C, W, WP)
+    b_k, k_old, k_x = _short_conv(qkv, taps, conv_w, i_b, (H + i_h) * D + cd, C, W, WP)
+    b_v, v_old, v_x = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + cd, C, W, WP)
+
+    hd = i_b.to(tl.int64) * H * D + i_h * D + cd
+    b_f = tl.load(f + hd).to(tl.float32) + tl.load(dt_bias + i_h * D + cd).to(tl.float32)
+    b_g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * _softplus(b_f)
+    b_beta = tl.sigmoid(tl.load(b_raw + i_bh).to(tl.float32))
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+
+    p_state = state + i_bh.to(tl.int64) * D * D + cd[:, None] * D + cd[None, :]
+    S = tl.load(p_state) * tl.exp(b_g)[:, None]
+    b_u = b_beta * (b_v - tl.sum(S * b_k[:, None], axis=0))
+    S += b_k[:, None] * b_u[None, :]
+    b_o = tl.sum(S * b_q[:, None], axis=0)
+    if HAS_NORM:
+        b_o = b_o.to(o.dtype.element_ty).to(tl.float32)
+        b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o) / D + eps)
+        b_o = b_o * tl.load(norm_w + cd).to(tl.float32)
+        b_o = b_o * tl.sigmoid(tl.load(out_gate + hd).to(tl.float32))
+
+    # every load of state and taps above must land before any thread overwrites them
+    tl.debug_barrier()
+    tl.store(p_state, S)
+    tl.store(o + i_bh.to(tl.int64) * D + cd, b_o.to(o.dtype.element_ty))
+    _shift_taps(taps, i_b, i_h * D + cd, q_old, q_x, C, W, WP)
+    _shift_taps(taps, i_b, (H + i_h) * D + cd, k_old, k_x, C, W, WP)
+    _shift_taps(taps, i_b, (2 * H + i_h) * D + cd, v_old, v_x, C, W, WP)
+
+
+def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, scale=None, *,
+                     out_gate=None, norm_weight=None, norm_eps=1e-5):
+    """One KDA decode step for B sequences, one launch.
+
+    qkv_raw [B, 3*H*d]: the q|k|v projections before the conv (model dtype).
+    conv_taps [B, W-1, 3*H*d]: the last W-1 projection inputs, updated in place.
+    conv_weight [3*H*d, W]: depthwise conv weights, column W-1 multiplies the current token.
+    f [B, H*d]: f_b(f_a(x)), before the gate; A_log [H] (any shape with H elements); dt_bias [H*d];
+    b_raw [B, H]: b_proj(x) before the sigmoid; state [B, H, d, d] fp32, updated in place.
+    scale defaults to d^-0.5. With norm_weight [d] (and out_gate [B, H*d], g_b(g_a(x)) before the
+    sigmoid), the output is the gated RMSNorm of o, as `model.triton.norms.gated_rmsnorm` computes it.
+    Returns o [B, H, d] in qkv_raw's dtype.
+    """
+    if state.ndim != 4 or state.shape[2] != state.shape[3]:
+        raise ValueError(f"fused_kda_decode: state must be [B, H, d, d], got {tuple(state.shape)}")
+    B, H, D, _ = state.shape
+    C = 3 * H * D
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise TypeError(f"fused_kda_decode: state must be contiguous fp32 (updated in place), "
+                        f"got {state.dtype}, contiguous={state.is_contiguous()}")
+    if D < 16 or D > 128 or D & (D - 1):
+        raise ValueError(f"fused_kda_decode: head dim must be a power of two in [16, 128], got {D}")
+    if qkv_raw.shape != (B, C):
+        raise ValueError(f"fused_kda_decode: qkv_raw must be [B, 3*H*d] = {(B, C)}, got {tuple(qkv_raw.shape)}")
+    if conv_weight.ndim != 2 or conv_weight.shape[0] != C or conv_weight.shape[1] < 2:
+        raise ValueError(f"fused_kda_decode: conv_weight must be [3*H*d, W] = [{C}, W >= 2], "
+                         f"got {tuple(conv_weight.shape)}")
+    W = conv_weight.shape[1]
+    if conv_taps.shape != (B, W - 1, C) or not conv_taps.is_contiguous():
+        raise ValueError(f"fused_kda_decode: conv_taps must be contiguous [B, W-1, 3*H*d] = {(B, W - 1, C)} "
+                         f"(updated in place), got {tuple(conv_taps.shape)}")
+    if f.shape != (B, H * D):
+        raise ValueError(f"fused_kda_decode: f must be [B, H*d] = {(B, H * D)}, got {tuple(f.shape)}")
+    if A_log.numel() != H or dt_bias.numel() != H * D:
+        raise ValueError(f"fused_kda_decode: A_log needs {H} values and dt_bias {H * D}, "
+                         f"got {A_log.numel()} and {dt_bias.numel()}")
+    if b_raw.shape != (B, H):
+        raise ValueError(f"fused_kda_decode: b_raw must be [B, H] = {(B, H)}, got {tuple(b_raw.shape)}")
+    if (norm_weight is None) != (out_gate is None):
+        raise ValueError("fused_kda_decode: pass norm_weight and out_gate together (or neither)")
+    if norm_weight is not None and (norm_weight.shape != (D,) or out_gate.shape != (B, H * D)):
+        raise ValueError(f"fused_kda_decode: norm_weight must be [{D}] and out_gate [{B}, {H * D}], "
+                         f"got {tuple(norm_weight.shape)} and {tuple(out_gate.shape)}")
+    tensors = [qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state]
+    tensors += [] if norm_weight is None else [out_gate, norm_weight]
+    for x in tensors:
+        if x.device != state.device:
+            raise ValueError(f"fused_kda_decode: all tensors must be on {state.device}, one is on {x.device}")
+    mt.require_runnable(_decode_kernel, state.device)
+
+    scale = D ** -0.5 if scale is None else float(scale)
+    qkv_raw, conv_weight, f, A_log, dt_bias, b_raw = (
+        x.contiguous() for x in (qkv_raw, conv_weight, f, A_log.reshape(H), dt_bias.reshape(H * D), b_raw))
+    if norm_weight is not None:
+        out_gate, norm_weight = out_gate.contiguous(), norm_weight.contiguous()
+    o = mt.empty(B, H, D, dtype=qkv_raw.dtype, device=state.device)
+    _decode_kernel[(B * H,)](qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, o,
+                             out_gate, norm_weight, scale, float(norm_eps),
+                             H=H, D=D, W=W, WP=triton.next_power_of_2(W - 1),
+                             HAS_NORM=norm_weight is not None, num_warps=8 if D * D >= 8192 else 4)
+    return o

@@ -1,0 +1,236 @@
+"""Benchmarks on the CPU: roofline arithmetic from the config, timing helpers, and the quick modes of
+bench_e2e and decompose end to end (tiny preset), with negative controls for what makes a record INVALID."""
+import gzip
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from benchmarks import bench_e2e, decompose, roofline
+from benchmarks.timing import Samples, summarize, time_calls, time_steps
+from model.build import load_model
+from model.config import get_config
+from records.store import load
+
+CFG = get_config("48b-a3b")
+
+
+# ---- roofline --------------------------------------------------------------------------------------
+
+def test_weight_bytes_per_token_48b_is_6_21_gb():
+    # SPEC §1: 3,106,972,544 active parameters; the 89,216 fp32 ones (A_log, dt_bias, router bias) take 4 bytes
+    b = roofline.weight_bytes_per_token(CFG, torch.bfloat16)
+    assert b == 2 * 3_106_972_544 + 2 * 89_216
+    assert round(b / 1e9, 2) == 6.21
+    assert round(roofline.weight_bytes_per_token(CFG, torch.float32) / 1e9, 2) == 12.43
+
+
+def test_state_bytes_per_token():
+    mla = 7 * 576 * 2 * 131072  # 7 MLA layers x (512 + 64) latent values x bf16, read
+    kda = 20 * 32 * 128 * 128 * 4  # 40 MiB fp32 recurrent state
+    taps = 20 * 3 * 3 * 4096 * 2  # W-1 = 3 taps of q|k|v, bf16
+    assert kda == 40 * 2 ** 20
+    assert roofline.state_bytes_per_token(CFG, 131072) == mla + 2 * (kda + taps)
+    assert roofline.state_bytes_per_token(CFG, 0) == 2 * (kda + taps)
+    with pytest.raises(ValueError, match="context"):
+        roofline.state_bytes_per_token(CFG, -1)
+
+
+def test_decode_roofline_arithmetic():
+    # SPEC §4: 6.21 GB / 4.25 TB/s = 1.46 ms per token from the weights alone
+    assert roofline.weight_bytes_per_token(CFG) / 4250e9 * 1e3 == pytest.approx(1.462, abs=1e-3)
+    for ctx in (0, 1024, 131072):
+        expected = 4250e9 / (roofline.weight_bytes_per_token(CFG) + roofline.state_bytes_per_token(CFG, ctx))
+        assert roofline.decode_roofline_tok_s(CFG, ctx, 4250) == pytest.approx(expected)
+    assert roofline.decode_roofline_tok_s(CFG, 0, 4250) == pytest.approx(674.5, abs=0.1)
+    assert roofline.decode_roofline_tok_s(CFG, 131072, 4250) == pytest.approx(577.6, abs=0.1)
+    with pytest.raises(ValueError, match="hbm_gbps"):
+        roofline.decode_roofline_tok_s(CFG, 0, 0)
+
+
+def test_prefill_flops_and_roofline():
+    lm_head = 163840 * 2304
+    dense = 2 * (3_106_972_544 - lm_head)
+    kda = 20 * 32 * (6 * 128 * 128 + 10 * 64 * 128 + 64 * 64)
+    for T in (1, 2048, 32768):
+        mla = 7 * 2 * 32 * (192 + 128) * (T + 1) / 2
+        flops = dense + 2 * lm_head / T + mla + kda
+        assert roofline.prefill_flops_per_token(CFG, T) == pytest.approx(flops)
+        assert roofline.prefill_roofline_tok_s(CFG, T, 790) == pytest.approx(790e12 / flops)
+    # about SPEC's ~127k tok/s at 790 TFLOP/s, less as the causal attention grows with the prompt
+    assert 120e3 < roofline.prefill_roofline_tok_s(CFG, 2048, 790) < 150e3
+    assert roofline.prefill_roofline_tok_s(CFG, 32768, 790) < 0.75 * roofline.prefill_roofline_tok_s(CFG, 2048, 790)
+    with pytest.raises(ValueError, match="prefill length"):
+        roofline.prefill_flops_per_token(CFG, 0)
+
+
+def test_measured_ceilings_on_cpu_are_positive():
+    c = roofline.measure_ceilings("cpu", read_bytes=4 << 20, matmul_n=64, reps=3)
+    assert c.hbm_gbps > 0 and c.matmul_tflops > 0
+
+
+# ---- timing ----------------------------------------------------------------------------------------
+
+def test_summarize_and_samples():
+    s = summarize([float(x) for x in range(1, 11)])
+    assert s == pytest.approx({"median_ms": 5.5, "p10_ms": 1.9, "p90_ms": 9.1})
+    assert Samples([2.0, 2.0], 5.0).per_s == pytest.approx(400.0)
+    with pytest.raises(ValueError, match="no samples"):
+        Samples([], 0.0)
+
+
+def test_time_steps_and_calls_count_every_call():
+    calls = []
+    s = time_steps(lambda: calls.append(1), 5, "cpu")
+    assert len(s.samples_ms) == 5 and len(calls) == 5 and s.total_ms >= sum(s.samples_ms) * 0.999
+    setups = []
+    c = time_calls(lambda: calls.append(2), 3, "cpu", setup=lambda: setups.append(1))
+    assert len(c.samples_ms) == 3 and len(setups) == 3 and calls.count(2) == 3
+
+
+# ---- bench_e2e -----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def records_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIMI_RECORDS_DIR", str(tmp_path))
+    monkeypatch.setenv("FLA_FLASH_KDA", "0")  # main() sets it when unset; keep the test process unchanged
+    return tmp_path
+
+
+def test_bench_quick_end_to_end(records_dir):
+    returned = bench_e2e.main(["--quick"])
+    got = load(kinds="bench", root=records_dir)
+    assert not got.problems and len(got.records) == len(returned) == 5
+    by_cfg = {(r["params"]["phase"], r["params"]["context"], r["params"]["impl"], r["params"]["peer"]): r
+              for r in got.records}
+    assert set(by_cfg) == {("decode", 16, "recompute", None), ("decode", 16, "ours-eager", "hf"),
+                           ("prefill", 16, "ours-eager", "hf"), ("decode", 48, "ours-eager", "hf"),
+                           ("prefill", 48, "ours-eager", "hf")}
+    for r in got.records:
+        q = r["results"]
+        assert r["verdict"] == "VALID", r["reasons"]
+        assert r["preset"] == "tiny" and r["device"] == "cpu" and r["weights"].startswith("sha256:")
+        assert q["tok_s"] > 0 and q["hbm_gbps"] > 0
+        assert q["roofline_fraction"] == pytest.approx(q["tok_s"] / q["roofline_tok_s"])
+        assert q["median_ms"] == pytest.approx(summarize(q["samples_ms"])["median_ms"])
+        if r["params"]["peer"]:
+            assert q["peer_tok_s"] > 0 and q["speedup_vs_peer"] == pytest.approx(q["tok_s"] / q["peer_tok_s"])
+            # fp32 on the same weights: HF's first greedy tokens are ours
+            assert q["spot_check"]["agree"] == q["spot_check"]["total"] == 4
+    decode = by_cfg[("decode", 48, "ours-eager", "hf")]
+    assert len(decode["results"]["samples_ms"]) == decode["params"]["decode_tokens"] == 4
+    assert len(decode["results"]["peer_samples_ms"]) == decode["params"]["peer_decode_tokens"] == 3
+    assert any("CUDA graphs need a CUDA device" in x for x in decode["reasons"])
+    assert len(by_cfg[("decode", 16, "recompute", None)]["results"]["samples_ms"]) == 2
+
+
+def _small(**kw):
+    return replace(bench_e2e.Settings(**bench_e2e.QUICK), contexts=(16,), prefill=(16,), recompute_steps=0, **kw)
+
+
+def test_bench_nan_logits_make_records_invalid(records_dir):
+    """Negative control: a NaN in lm_head poisons the logits; every record must say so."""
+    loaded = load_model("tiny")
+    with torch.no_grad():
+        loaded.model.lm_head.weight[0, 0] = float("nan")
+    s = _small(peers=())
+    recs = bench_e2e.Bench(s, loaded, bench_e2e.Plan(s)).run()
+    assert len(recs) == 2
+    for r in recs:
+        assert r["verdict"] == "INVALID"
+        assert any("NaN/inf" in x for x in r["reasons"]), r["reasons"]
+
+
+def test_bench_over_budget_is_skipped_and_recorded(records_dir):
+    s = _small(peers=(), budget_s=0.0)
+    recs = bench_e2e.Bench(s, load_model("tiny"), bench_e2e.Plan(s)).run()
+    assert [r["verdict"] for r in recs] == ["INVALID", "INVALID"]
+    assert all("budget" in r["reasons"][0] and r["results"]["tok_s"] is None for r in recs)
+
+
+def test_plan_skips_slow_peers_from_spec_rates():
+    plan = bench_e2e.Plan(bench_e2e.Settings())
+    # HF with torch KDA at ~3.7k tok/s needs ~35 s just to prefill 128k tokens: over the 30 s cap
+    assert "peer-max-s" in plan.skip_reason("hf", "decode", 131072)
+    assert plan.skip_reason("hf-fla", "decode", 131072) is None
+    plan.learn("hf-fla", "prefill", 1000.0)  # measured rates replace the plan's
+    assert "peer-max-s" in plan.skip_reason("hf-fla", "decode", 131072)
+
+
+def test_hf_kernel_switch_restores_hf_module():
+    pytest.importorskip("transformers")
+    mod = __import__(bench_e2e.HF_MODULE, fromlist=["_"])
+    before = {n: getattr(mod, n) for n in bench_e2e.HF_KDA_FUNCS}
+    with bench_e2e.hf_kernels("hf"):
+        assert all(b == bench_e2e.HF_MODULE for b in bench_e2e.hf_kda_backends().values())
+        assert all(getattr(mod, n) is not before[n] for n in bench_e2e.HF_KDA_FUNCS)
+    assert {n: getattr(mod, n) for n in bench_e2e.HF_KDA_FUNCS} == before
+    with pytest.raises(ValueError, match="unknown peer"):
+        with bench_e2e.hf_kernels("vllm"):
+            pass
+
+
+def test_bench_missing_fla_peer_is_invalid(records_dir):
+    try:
+        import fla  # noqa: F401
+        pytest.skip("fla is importable here: the peer is available")
+    except ImportError:
+        pass
+    s = _small(peers=("hf-fla",))
+    recs = bench_e2e.Bench(s, load_model("tiny"), bench_e2e.Plan(s)).run()
+    assert len(recs) == 2 and all(r["verdict"] == "INVALID" for r in recs)
+    assert all(any("hf-fla unavailable" in x for x in r["reasons"]) for r in recs)
+    assert all(r["results"]["tok_s"] > 0 for r in recs)  # ours was still measured
+
+
+def test_attempt_turns_errors_and_oom_into_reasons():
+    def oom():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 34.00 GiB\nmore detail")
+
+    assert bench_e2e.attempt(lambda: {"x": 1}, "cpu") == ({"x": 1}, None)
+    assert bench_e2e.attempt(oom, "cpu") == (None, "out of memory: CUDA out of memory. Tried to allocate 34.00 GiB")
+    res, why = bench_e2e.attempt(lambda: 1 / 0, "cpu")
+    assert res is None and why.startswith("ZeroDivisionError")
+
+
+def test_bench_cli_rejects_bad_arguments():
+    with pytest.raises(SystemExit):
+        bench_e2e.settings(["--quick", "--peers", "vllm"])
+    with pytest.raises(SystemExit):
+        bench_e2e.settings(["--quick", "--contexts", "0,16"])
+    assert bench_e2e.settings(["--quick", "--peers", "none"]).peers == ()
+
+
+# ---- decompose -------------------------------------------------------------------------------------
+
+def test_decompose_quick_end_to_end(records_dir, tmp_path):
+    recs = decompose.main(["--quick", "--trace-dir", str(tmp_path / "traces")])
+    got = load(kinds="decomposition", root=records_dir).records
+    assert len(recs) == len(got) == 1
+    r = got[0]
+    assert r["verdict"] == "VALID" and r["params"]["device"] == "cpu" and r["params"]["mode"] == "eager"
+    assert any("graph mode not profiled" in x for x in r["reasons"])
+    q = r["results"]
+    assert sum(q["shares"].values()) == pytest.approx(1.0)
+    assert 0 <= q["idle_fraction"] < 1 and q["step_ms"] > 0 and q["kernels_per_step"] > 0
+    with gzip.open(q["trace"], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("cat") == "cpu_op" for e in events)
+
+
+def test_leaf_ops_keep_only_innermost():
+    ev = [dict(name="aten::linear", ts=0, dur=10, pid=1, tid=1), dict(name="aten::mm", ts=1, dur=8, pid=1, tid=1),
+          dict(name="aten::add", ts=12, dur=2, pid=1, tid=1), dict(name="aten::mm", ts=0, dur=5, pid=1, tid=2)]
+    leaves = decompose.leaf_ops(ev)
+    assert sorted((e["name"], e["tid"]) for e in leaves) == [("aten::add", 1), ("aten::mm", 1), ("aten::mm", 2)]
+
+
+def test_graph_trace_without_kernels_is_invalid():
+    """Negative control: a graph trace where the profiler saw only the kernels outside the graph."""
+    argmax = [dict(name="reduce_kernel<ArgMaxOps>", ts=100.0 * i, dur=3.0) for i in range(4)]
+    results, problems = decompose.summarize_trace(argmax, 4, "graph", layers=27)
+    assert problems and "graph" in problems[0] and "shares" not in results
+    many = [dict(name=f"gemv_kernel_{j}", ts=100.0 * i + 3 * j, dur=2.0) for i in range(4) for j in range(30)]
+    results, problems = decompose.summarize_trace(many, 4, "graph", layers=27)
+    assert not problems and results["shares"]["gemm"] == 1.0 and results["kernels_per_step"] == 30

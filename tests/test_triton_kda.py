@@ -1,0 +1,466 @@
+"""Triton KDA kernels (model/triton/) against the torch references in model/kda.py, the fp64 naive
+recurrence, and HF transformers' RMSNorm modules.
+
+Without CUDA the kernels run on the CPU in Triton's interpreter: TRITON_INTERPRET is read by triton
+when the kernel modules are imported, so it is set here before those imports. Interpreter shapes are
+small (H <= 2, d = 16/32, T <= 130). Tests marked `gpu` run the real shapes (32 heads, head dim 128)
+and are skipped without CUDA.
+
+Every buffer a kernel writes is allocated NaN-filled (`poisoned_buffers`), and every comparison
+fails on a non-finite value, so an element a kernel forgets to write can never pass.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # also done by conftest.py; needed before the imports below
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+from transformers.models.kimi_linear.modeling_kimi_linear import (  # noqa: E402
+    KimiLinearRMSNorm, KimiLinearRMSNormGated)
+
+import model.triton as mt  # noqa: E402
+from model import kda  # noqa: E402
+from model.triton.kda_chunk import chunk_kda_fwd  # noqa: E402
+from model.triton.kda_decode import fused_kda_decode  # noqa: E402
+from model.triton.norms import add_rmsnorm, gated_rmsnorm, rmsnorm  # noqa: E402
+from tests.conftest import rel_err  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _nan_empty(*shape, dtype, device):
+    return torch.empty(*shape, dtype=dtype, device=device).fill_(float("nan"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poisoned_buffers():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mt, "empty", _nan_empty)
+        yield
+
+
+def assert_close(x, ref, tol, what):
+    assert torch.isfinite(x).all(), f"{what}: non-finite values (a kernel left a poisoned element unwritten?)"
+    err = rel_err(x, ref)
+    assert err <= tol, f"{what}: relative RMS error {err:.3e} > {tol:.1e}"
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+
+def gates(regime, shape, gen):
+    """Log decays g <= 0 in the regimes KDA kernels get wrong: near 0, -5, -1000, and mixtures."""
+    B, T, H, K = shape
+    if regime == "model":       # the model's own gate on random activations
+        A_log = torch.rand(H, generator=gen) * 3 - 1
+        f = torch.randn(B, T, H * K, generator=gen) * 2
+        return kda.kda_gate(f, A_log, torch.randn(H * K, generator=gen), K)
+    if regime == "near0":
+        return -1e-4 * torch.rand(shape, generator=gen)
+    if regime == "minus5":
+        return -5 + 0.1 * torch.rand(shape, generator=gen)
+    if regime == "minus1000":
+        return torch.full(shape, -1000.0)
+    if regime == "spikes":      # slow decay with a few -1000 tokens: G spans a huge range in one chunk
+        g = -0.05 * torch.rand(shape, generator=gen)
+        g[:, torch.randint(0, T, (max(1, T // 40),), generator=gen)] = -1000.0
+        return g
+    if regime == "mixed":       # per token and channel either -1000 or about 0
+        slow = -1e-3 * torch.rand(shape, generator=gen)
+        return torch.where(torch.rand(shape, generator=gen) < 0.3, -1000.0, slow)
+    raise ValueError(regime)
+
+
+REGIMES = ["model", "near0", "minus5", "minus1000", "spikes", "mixed"]
+
+
+def kda_inputs(B, T, H, K, V, regime, seed, dtype=torch.float32, with_state=True, device=DEV):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = gates(regime, (B, T, H, K), gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    h0 = torch.randn(B, H, K, V, generator=gen) if with_state else None
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    out = [x.to(device) for x in (q, k, v, g, beta)]
+    return (*out, None if h0 is None else h0.to(device))
+
+
+def decode_inputs(B, H, d, W, dtype, seed, A_shift=0.0, device=DEV):
+    """Raw decode-step inputs as the model holds them: pre-conv projections, taps, gate and beta inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    C = 3 * H * d
+    return dict(
+        qkv_raw=torch.randn(B, C, generator=gen).to(dtype).to(device),
+        conv_taps=torch.randn(B, W - 1, C, generator=gen).to(dtype).to(device),
+        conv_weight=(0.5 * torch.randn(C, W, generator=gen)).to(dtype).to(device),
+        f=torch.randn(B, H * d, generator=gen).to(dtype).to(device),
+        A_log=(torch.rand(H, generator=gen) * 3 - 1 + A_shift).to(device),
+        dt_bias=torch.randn(H * d, generator=gen).to(device),
+        b_raw=torch.randn(B, H, generator=gen).to(dtype).to(device),
+        state=torch.randn(B, H, d, d, generator=gen).to(device),
+    )
+
+
+def decode_reference(inp, H, d):
+    """causal_conv1d + kda_gate + sigmoid + recurrent_kda_step: (o fp32, new state, new taps)."""
+    y, taps = kda.causal_conv1d(inp["qkv_raw"][:, None], inp["conv_weight"], inp["conv_taps"])
+    q, k, v = (t.unflatten(-1, (H, d)) for t in y[:, 0].chunk(3, dim=-1))
+    g = kda.kda_gate(inp["f"], inp["A_log"], inp["dt_bias"], d)
+    beta = torch.sigmoid(inp["b_raw"].float())
+    state = inp["state"].clone()
+    o = kda.recurrent_kda_step(q, k, v, g, beta, state)
+    return o, state, taps
+
+
+def run_decode(inp, **kw):
+    state, taps = inp["state"].clone(), inp["conv_taps"].clone()
+    o = fused_kda_decode(inp["qkv_raw"], taps, inp["conv_weight"], inp["f"], inp["A_log"], inp["dt_bias"],
+                         inp["b_raw"], state, **kw)
+    return o, state, taps
+
+
+# ---- chunked prefill ----------------------------------------------------------------------------
+
+@settings(max_examples=20)
+@given(T=st.sampled_from([1, 2, 17, 63, 64, 65, 100, 128, 130]), B=st.integers(1, 2),
+       K=st.sampled_from([16, 32]), V=st.sampled_from([16, 32]), regime=st.sampled_from(REGIMES),
+       with_state=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**16))
+def test_chunk_matches_torch_and_fp64(T, B, K, V, regime, with_state, dtype, seed):
+    q, k, v, g, beta, h0 = kda_inputs(B, T, 2, K, V, regime, seed, DTYPES[dtype], with_state)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    assert o.dtype == v.dtype and o.shape == v.shape and ht.dtype == torch.float32
+    ro, rh = kda.chunk_kda(q, k, v, g, beta, initial_state=h0)
+    no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
+    if dtype == "bf16":
+        assert_close(o, no, 1e-2, "o vs fp64")
+        assert_close(ht, nh, 1e-2, "state vs fp64")
+        assert_close(o, ro, 1e-2, "o vs torch chunk")
+        return
+    assert_close(o, no, 1e-5, "o vs fp64")
+    assert_close(ht, nh, 1e-5, "state vs fp64")
+    # The torch chunked form takes exp(G_t - G_s) from differences of the chunk-long prefix sum, which
+    # loses digits after a -1000 gate (about 3e-4 off fp64 for "mixed"); ours sums the spanned gates.
+    assert_close(o, ro, 1e-5 + 2 * rel_err(ro, no), "o vs torch chunk")
+    assert_close(ht, rh, 1e-5 + 2 * rel_err(rh, nh), "state vs torch chunk")
+
+
+def test_chunk_empty_sequence_returns_the_initial_state():
+    q, k, v, g, beta, h0 = kda_inputs(2, 0, 2, 16, 16, "model", 0)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    assert o.shape == (2, 0, 2, 16) and torch.equal(ht, h0)
+    _, ht = chunk_kda_fwd(q, k, v, g, beta)
+    assert torch.equal(ht, torch.zeros_like(h0))
+
+
+def test_chunk_without_l2norm_and_explicit_scale():
+    q, k, v, g, beta, h0 = kda_inputs(1, 70, 2, 32, 16, "model", 1)
+    q, k = kda.l2norm(q), kda.l2norm(k)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, scale=0.3, initial_state=h0, l2norm_qk=False)
+    no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, scale=0.3, initial_state=h0, l2norm_qk=False)
+    assert_close(o, no, 1e-5, "o")
+    assert_close(ht, nh, 1e-5, "state")
+    o2, none = chunk_kda_fwd(q, k, v, g, beta, scale=0.3, initial_state=h0, l2norm_qk=False,
+                             output_final_state=False)
+    assert none is None and torch.equal(o2, o)
+
+
+@pytest.mark.parametrize("t0", [1, 5, 64, 70, 129])
+def test_chunk_prefix_is_bitwise_blind_to_the_future(t0):
+    """Changing tokens t >= t0 must not change one bit of the outputs before t0 (chunk-internal leaks)."""
+    q, k, v, g, beta, h0 = kda_inputs(1, 130, 2, 32, 32, "model", 7)
+    o, _ = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    q2, k2, v2, g2, beta2, _ = kda_inputs(1, 130, 2, 32, 32, "spikes", 8)
+    fut = slice(t0, None)
+    for x, y in ((q, q2), (k, k2), (v, v2), (g, g2), (beta, beta2)):
+        x[:, fut] = 3 * y[:, fut]
+    o_changed, _ = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    assert torch.equal(o_changed[:, :t0], o[:, :t0])
+    assert not torch.equal(o_changed[:, t0:], o[:, t0:])
+
+
+def test_chunk_output_does_not_depend_on_batch_size():
+    q, k, v, g, beta, h0 = kda_inputs(3, 70, 2, 16, 16, "model", 3)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    one = slice(1, 2)
+    o1, ht1 = chunk_kda_fwd(q[one], k[one], v[one], g[one], beta[one], initial_state=h0[one])
+    assert torch.equal(o1, o[one]) and torch.equal(ht1, ht[one])
+
+
+@pytest.mark.parametrize("split", [1, 64, 70])
+def test_chunk_prefill_in_two_spans_equals_one(split):
+    q, k, v, g, beta, h0 = kda_inputs(2, 130, 2, 32, 16, "model", 4)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    a, b = slice(None, split), slice(split, None)
+    oa, sa = chunk_kda_fwd(q[:, a], k[:, a], v[:, a], g[:, a], beta[:, a], initial_state=h0)
+    ob, sb = chunk_kda_fwd(q[:, b], k[:, b], v[:, b], g[:, b], beta[:, b], initial_state=sa)
+    assert_close(torch.cat([oa, ob], 1), o, 1e-5, "o")
+    assert_close(sb, ht, 1e-5, "state")
+
+
+def test_prefill_then_decode_equals_one_recurrence():
+    """Prefill with the chunk kernel, carry state and conv taps, decode with the fused step: the outputs
+    must be those of one fp64 recurrence over the whole sequence (state layout, taps, gates all agree)."""
+    B, H, d, W, T, steps = 2, 2, 32, 4, 66, 3
+    gen = torch.Generator().manual_seed(5)
+    inp = decode_inputs(B, H, d, W, torch.float32, 5)
+    x = torch.randn(B, T + steps, 3 * H * d, generator=gen).to(DEV)
+    f = torch.randn(B, T + steps, H * d, generator=gen).to(DEV)
+    b_raw = torch.randn(B, T + steps, H, generator=gen).to(DEV)
+    cw, A_log, dt_bias = inp["conv_weight"], inp["A_log"], inp["dt_bias"]
+
+    def qkv(y):
+        return (t.unflatten(-1, (H, d)) for t in y.chunk(3, dim=-1))
+
+    y, _ = kda.causal_conv1d(x, cw)
+    no, _ = kda.naive_recurrent_kda(*qkv(y), kda.kda_gate(f, A_log, dt_bias, d), torch.sigmoid(b_raw))
+
+    y, taps = kda.causal_conv1d(x[:, :T], cw)
+    o, state = chunk_kda_fwd(*qkv(y), kda.kda_gate(f[:, :T], A_log, dt_bias, d), torch.sigmoid(b_raw[:, :T]))
+    outs = [o]
+    for i in range(T, T + steps):
+        outs.append(fused_kda_decode(x[:, i], taps, cw, f[:, i], A_log, dt_bias, b_raw[:, i], state)[:, None])
+    assert_close(torch.cat(outs, 1), no, 1e-5, "prefill + decode vs one recurrence")
+    assert_close(outs[-1][:, 0], no[:, -1], 1e-5, "last decoded token")
+
+
+# ---- decode step --------------------------------------------------------------------------------
+
+@given(B=st.sampled_from([1, 2, 5]), H=st.integers(1, 2), d=st.sampled_from([16, 32]), W=st.integers(2, 4),
+       dtype=st.sampled_from(sorted(DTYPES)), A_shift=st.sampled_from([-6.0, 0.0, 7.0]),
+       seed=st.integers(0, 2**16))
+def test_decode_matches_reference_composition(B, H, d, W, dtype, A_shift, seed):
+    """A_shift 7 puts g near -1000 for most channels, -6 near 0."""
+    inp = decode_inputs(B, H, d, W, DTYPES[dtype], seed, A_shift)
+    ro, rstate, rtaps = decode_reference(inp, H, d)
+    o, state, taps = run_decode(inp)
+    assert o.dtype == inp["qkv_raw"].dtype and o.shape == (B, H, d)
+    assert torch.equal(taps, rtaps)
+    tol = 1e-5 if dtype == "fp32" else 1e-2
+    assert_close(o, ro, tol, "o")
+    assert_close(state, rstate, tol, "state")
+
+
+@given(B=st.sampled_from([1, 3]), d=st.sampled_from([16, 32]), dtype=st.sampled_from(sorted(DTYPES)),
+       seed=st.integers(0, 2**16))
+def test_decode_fused_output_norm(B, d, dtype, seed):
+    H = 2
+    inp = decode_inputs(B, H, d, 4, DTYPES[dtype], seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    gate = torch.randn(B, H * d, generator=gen).to(DTYPES[dtype]).to(DEV)
+    weight = torch.randn(d, generator=gen).to(DEV)
+    normed, state, _ = run_decode(inp, out_gate=gate, norm_weight=weight, norm_eps=1e-5)
+    o, state_unfused, _ = run_decode(inp)
+    assert torch.equal(state, state_unfused)
+    unfused = gated_rmsnorm(o, gate.view(B, H, d), weight, 1e-5)
+    assert_close(normed, unfused, 1e-6 if dtype == "fp32" else 1e-2, "fused vs unfused norm")
+    ro, _, _ = decode_reference(inp, H, d)
+    ref = hf_norm(KimiLinearRMSNormGated, d, weight)(ro.to(o.dtype), gate.view(B, H, d))
+    assert_close(normed, ref, 1e-5 if dtype == "fp32" else 2e-2, "vs HF")
+
+
+def test_decode_batch_64():
+    inp = decode_inputs(64, 1, 16, 4, torch.float32, 9)
+    ro, rstate, rtaps = decode_reference(inp, 1, 16)
+    o, state, taps = run_decode(inp)
+    assert torch.equal(taps, rtaps)
+    assert_close(o, ro, 1e-5, "o")
+    assert_close(state, rstate, 1e-5, "state")
+
+
+# ---- norms --------------------------------------------------------------------------------------
+
+def assert_within_ulps(y, ref):
+    """Equal to within one unit in the last place of ref on the GPU. The interpreter truncates
+    fp32 -> bf16 where CUDA rounds to nearest; rmsnorm casts twice, the first time in a binade
+    the weight may leave, so there up to four units."""
+    ulps = 1 if torch.cuda.is_available() else 4
+    assert y.dtype == ref.dtype and torch.isfinite(y).all()
+    eps = torch.finfo(ref.dtype).eps
+    y, ref = y.double(), ref.double()
+    ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30)))) * eps
+    assert ((y - ref).abs() <= ulps * ulp).all()
+
+
+def hf_norm(cls, D, weight):
+    m = cls(D, eps=1e-5).to(DEV).requires_grad_(False)
+    m.weight.data = weight
+    return m
+
+
+@settings(max_examples=10)
+@given(N=st.integers(1, 40), D=st.sampled_from([16, 100, 128, 2304]), dtype=st.sampled_from(sorted(DTYPES)),
+       seed=st.integers(0, 2**16))
+def test_norms_match_hf(N, D, dtype, seed):
+    dt = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    x, gate, res = (torch.randn(N, D, generator=gen).to(dt).to(DEV) for _ in range(3))
+    w = (1 + 0.1 * torch.randn(D, generator=gen)).to(DEV)
+
+    ref = hf_norm(KimiLinearRMSNormGated, D, w)(x, gate)
+    y = gated_rmsnorm(x, gate, w, 1e-5)
+    ref_plain = hf_norm(KimiLinearRMSNorm, D, w.to(dt))(x)
+    y_plain = rmsnorm(x, w.to(dt), 1e-5)
+    y_add, new_res = add_rmsnorm(x, res, w.to(dt), 1e-5)
+    if dtype == "fp32":
+        assert_close(y, ref, 1e-6, "gated")
+        assert_close(y_plain, ref_plain, 1e-6, "plain")
+        assert torch.equal(new_res, x + res)
+        assert_close(y_add, hf_norm(KimiLinearRMSNorm, D, w)(x + res), 1e-6, "add")
+    else:
+        assert_within_ulps(y, ref)
+        assert_within_ulps(y_plain, ref_plain)
+        assert_within_ulps(new_res, x + res)
+        assert_close(y_add, hf_norm(KimiLinearRMSNorm, D, w.to(dt))(new_res), 1e-2, "add")
+
+
+def test_rmsnorm_output_dtype_follows_torch_promotion():
+    x = torch.randn(3, 16, dtype=torch.bfloat16, device=DEV)
+    assert rmsnorm(x, torch.ones(16, device=DEV), 1e-5).dtype == torch.float32   # fp32 weight * bf16
+    assert rmsnorm(x, torch.ones(16, dtype=torch.bfloat16, device=DEV), 1e-5).dtype == torch.bfloat16
+    assert gated_rmsnorm(x, x, torch.ones(16, device=DEV), 1e-5).dtype == torch.bfloat16
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+def test_bad_inputs_get_clear_errors():
+    q, k, v, g, beta, h0 = kda_inputs(1, 8, 2, 16, 16, "model", 0)
+    with pytest.raises(ValueError, match="beta must be"):
+        chunk_kda_fwd(q, k, v, g, beta[..., :1])
+    with pytest.raises(ValueError, match="power of two"):
+        chunk_kda_fwd(q[..., :12], k[..., :12], v, g[..., :12], beta)
+    with pytest.raises(ValueError, match="initial_state must be"):
+        chunk_kda_fwd(q, k, v, g, beta, initial_state=h0.transpose(0, 1))
+    with pytest.raises(TypeError, match="float"):
+        chunk_kda_fwd(q, k, v.long(), g, beta)
+    inp = decode_inputs(2, 2, 16, 4, torch.float32, 0)
+    with pytest.raises(TypeError, match="fp32"):
+        run_decode({**inp, "state": inp["state"].bfloat16()})
+    with pytest.raises(ValueError, match="conv_taps must be"):
+        run_decode({**inp, "conv_taps": inp["conv_taps"][:, :2]})
+    with pytest.raises(ValueError, match="conv_weight must be"):
+        run_decode({**inp, "conv_weight": inp["conv_weight"][:, None]})
+    with pytest.raises(ValueError, match="together"):
+        run_decode(inp, norm_weight=torch.ones(16, device=DEV))
+    with pytest.raises(ValueError, match="weight must be"):
+        rmsnorm(q, torch.ones(3, device=DEV), 1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-tensor error only exists without CUDA")
+def test_compiled_kernels_refuse_cpu_tensors():
+    class Compiled:  # what a kernel is when TRITON_INTERPRET was unset at import
+        pass
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        mt.require_runnable(Compiled(), torch.device("cpu"))
+
+
+# ---- negative controls: the checks above can fail -----------------------------------------------
+
+def test_control_unwritten_buffers_and_wrong_values_fail_the_check():
+    ref = torch.randn(4, 8)
+    with pytest.raises(AssertionError, match="non-finite"):
+        assert_close(mt.empty(4, 8, dtype=torch.float32, device="cpu"), ref, 1.0, "unwritten")
+    with pytest.raises(AssertionError, match="relative RMS"):
+        assert_close(ref * 1.001, ref, 1e-5, "scaled")
+
+
+def test_control_dropped_initial_state_is_caught():
+    q, k, v, g, beta, h0 = kda_inputs(1, 65, 2, 16, 16, "model", 2)
+    no, _ = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
+    o, _ = chunk_kda_fwd(q, k, v, g, beta)
+    assert rel_err(o, no) > 1e-2
+
+
+def test_control_transposed_decode_state_is_caught():
+    inp = decode_inputs(2, 2, 16, 4, torch.float32, 3)
+    ro, _, _ = decode_reference(inp, 2, 16)
+    o, _, _ = run_decode({**inp, "state": inp["state"].transpose(-1, -2).contiguous()})
+    assert rel_err(o, ro) > 1e-2
+
+
+def test_control_future_leak_check_sees_a_leak():
+    """The bitwise prefix test compares exact bits: one ulp moved in the prefix fails it."""
+    o = torch.randn(1, 10, 2, 16)
+    leaked = o.clone()
+    leaked[0, 3, 0, 0] = torch.nextafter(leaked[0, 3, 0, 0], torch.tensor(float("inf")))
+    assert not torch.equal(leaked[:, :5], o[:, :5])
+
+
+# ---- real shapes on the GPU ---------------------------------------------------------------------
+
+@pytest.fixture
+def no_tf32():
+    """The fp32 torch references must really be fp32 (cuDNN convs default to TF32)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 63), (1, 64), (1, 65), (1, 1000), (1, 8192), (1, 65536), (4, 2048),
+                                 (64, 65)])
+def test_gpu_chunk_real_shapes(B, T, dtype, no_tf32):
+    q, k, v, g, beta, h0 = kda_inputs(B, T, 32, 128, 128, "model", T, DTYPES[dtype])
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    ro, rh = kda.chunk_kda(q, k, v, g, beta, initial_state=h0)
+    tol = 1e-4 if dtype == "fp32" else 1e-2
+    assert_close(o, ro, tol, "o vs torch chunk")
+    assert_close(ht, rh, tol, "state vs torch chunk")
+    if B * T <= 8192:
+        no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
+        assert_close(o, no, tol, "o vs fp64")
+        assert_close(ht, nh, tol, "state vs fp64")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("regime", ["near0", "minus5", "minus1000", "spikes", "mixed"])
+def test_gpu_chunk_saturated_gates(regime):
+    q, k, v, g, beta, h0 = kda_inputs(1, 4096, 32, 128, 128, regime, 11)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
+    assert_close(o, no, 1e-4, "o vs fp64")
+    assert_close(ht, nh, 1e-4, "state vs fp64")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_gpu_decode_real_shapes(B, dtype, no_tf32):
+    inp = decode_inputs(B, 32, 128, 4, DTYPES[dtype], B)
+    ro, rstate, rtaps = decode_reference(inp, 32, 128)
+    o, state, taps = run_decode(inp)
+    assert torch.equal(taps, rtaps)
+    tol = 1e-5 if dtype == "fp32" else 1e-2
+    assert_close(o, ro, tol, "o")
+    assert_close(state, rstate, 1e-5 if dtype == "fp32" else 1e-3, "state")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_norms_are_exact_in_bf16():
+    gen = torch.Generator().manual_seed(0)
+    x, res = (torch.randn(4096, 2304, generator=gen).bfloat16().cuda() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(2304, generator=gen)).bfloat16().cuda()
+    ref = hf_norm(KimiLinearRMSNorm, 2304, w)(x)
+    y = rmsnorm(x, w, 1e-5)
+    assert_within_ulps(y, ref)
+    assert (y == ref).float().mean() > 0.99
+    y_add, new_res = add_rmsnorm(x, res, w, 1e-5)
+    assert torch.equal(new_res, x + res) and (y_add == rmsnorm(x + res, w, 1e-5)).all()
+    o, gate = (torch.randn(4096, 32, 128, generator=gen).bfloat16().cuda() for _ in range(2))
+    wg = torch.randn(128, generator=gen).cuda()
+    ref = hf_norm(KimiLinearRMSNormGated, 128, wg)(o, gate)
+    y = gated_rmsnorm(o, gate, wg, 1e-5)
+    assert_within_ulps(y, ref)
+    assert (y == ref).float().mean() > 0.99

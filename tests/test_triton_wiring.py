@@ -1,0 +1,37 @@
+"""The model with its Triton kernels (interpreter on the CPU, compiled on CUDA) against the PyTorch path."""
+import pytest
+import torch
+
+from model import ops
+from model.build import load_model
+from model.generate import generate_incremental, generate_recompute
+from tests.conftest import rel_err
+
+PROMPTS = [[500, 7, 8, 9], [500, 300, 1, 44, 45, 46, 47, 200, 19, 91, 3], [500] + list(range(60, 140))]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", dtype=torch.float32, device=DEV).model
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_triton_incremental_equals_torch_recompute(tiny, prompt):
+    with ops.use("torch"):
+        ref = generate_recompute(tiny, prompt, 10, keep_logits=True)
+    with ops.use("triton"):
+        inc = generate_incremental(tiny, prompt, 10, keep_logits=True)
+        rec = generate_recompute(tiny, prompt, 3, keep_logits=True)
+    assert inc.tokens == ref.tokens
+    for a, b in zip(inc.logits, ref.logits):
+        assert rel_err(a, b) < 1e-4
+    assert rel_err(rec.logits[0], ref.logits[0]) < 1e-4
+
+
+def test_kernel_selection_is_explicit():
+    with ops.use("torch"):
+        assert ops.kernels_setting() == "torch"
+    with pytest.raises(ValueError, match="kernel mode"):
+        with ops.use("fast"):
+            pass
