@@ -29,6 +29,8 @@ H, D, W = 32, 128, 4
 DTYPE = torch.bfloat16
 PEER = "fla-0.6.0"
 PEER_TOL = 2e-2  # bf16 outputs of two fp32-accumulating implementations of the same math
+# the issue's targets: (op, param, value, ours must be <= or < the peer's time)
+TARGETS = (("chunk_kda", "T", 8192, "<="), ("kda_decode_step", "B", 1, "<"), ("kda_decode_step", "B", 64, "<"))
 
 
 def rel_err(x, ref) -> float:
@@ -37,13 +39,14 @@ def rel_err(x, ref) -> float:
 
 
 def load_fla():
-    """(chunk_kda, fused_recurrent_kda) from fla, or (None, why)."""
+    """((chunk_kda, fused_recurrent_kda, version), None) from fla, or (None, why)."""
     os.environ.setdefault("FLA_FLASH_KDA", "0")  # read by fla when imported: its Triton path, SPEC.md §2
     try:
+        import fla
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
     except Exception as e:  # any import failure means: no peer in this run
         return None, f"peer unavailable: import fla failed: {type(e).__name__}: {e}"
-    return (chunk_kda, fused_recurrent_kda), None
+    return (chunk_kda, fused_recurrent_kda, getattr(fla, "__version__", "unknown")), None
 
 
 def gpu_ms(fn, rep_ms: int) -> float:
@@ -62,6 +65,19 @@ def eager_ms(fn, n: int = 200) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / n
+
+
+def time_peer(fn, compare, res: dict, reasons: list, rep_ms: int, eager: bool = False) -> None:
+    """Run the peer once (outputs compared with ours by `compare`), then time it; a failure becomes a
+    reason, and ours stays measured."""
+    try:
+        res.update(compare(fn()))
+        res["peer_ms"] = gpu_ms(fn, rep_ms)
+        if eager:
+            res["peer_eager_ms"] = eager_ms(fn)
+    except Exception as e:  # a peer that breaks must not take our numbers with it
+        traceback.print_exc()
+        reasons.append(f"peer failed: {type(e).__name__}: {e}")
 
 
 def gate_inputs(B, T, gen):
@@ -93,9 +109,8 @@ def chunk_case(T: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
             return peer[0](q, k, v, g, beta, scale=D ** -0.5, initial_state=h0, output_final_state=True,
                            use_qk_l2norm_in_kernel=True)
 
-        po, pht = theirs()
-        res.update(peer_ms=gpu_ms(theirs, rep_ms), rel_err_vs_peer=rel_err(o, po),
-                   state_rel_err_vs_peer=rel_err(ht, pht))
+        time_peer(theirs, lambda out: {"rel_err_vs_peer": rel_err(o, out[0]),
+                                       "state_rel_err_vs_peer": rel_err(ht, out[1])}, res, reasons, rep_ms)
     return res, reasons
 
 
@@ -137,9 +152,8 @@ def decode_case(B: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
             return peer[1](q, k, v, g, beta, scale=D ** -0.5, initial_state=s_peer, output_final_state=True,
                            use_qk_l2norm_in_kernel=True)
 
-        po, _ = theirs()
-        res.update(peer_ms=gpu_ms(theirs, rep_ms), peer_eager_ms=eager_ms(theirs),
-                   rel_err_vs_peer=rel_err(o, po[:, 0]))
+        time_peer(theirs, lambda out: {"rel_err_vs_peer": rel_err(o, out[0][:, 0])}, res, reasons, rep_ms,
+                  eager=True)
     return res, reasons
 
 
@@ -157,6 +171,8 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
         traceback.print_exc()
         results, reasons = {}, [f"{op} failed: {type(e).__name__}: {e}"]
     results["peer"] = PEER
+    if peer is not None:
+        results["peer_version"] = peer[2]
     if peer_missing:
         reasons.append(peer_missing)
     if "peer_ms" in results:
@@ -165,7 +181,7 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
             reasons.append(f"ours differs from {PEER}: relative RMS error {results['rel_err_vs_peer']:.3g} "
                            f"> {PEER_TOL}")
     elif not reasons:
-        reasons.append("peer produced no time")
+        reasons.append("no peer time")
     rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=torch.cuda.get_device_name(),
                             weights=None, params=params, results=results,
                             verdict="INVALID" if reasons else "VALID", reasons=reasons)
@@ -187,13 +203,12 @@ def summarize(recs: list[dict]) -> None:
         if "speedup" in x:
             line += f"  speedup={x['speedup']:.2f}x  rel_err={x['rel_err_vs_peer']:.2e}"
         log(line + f"  {r['verdict']}")
-    targets = [("chunk_kda", 8192, "<="), ("kda_decode_step", 1, "<"), ("kda_decode_step", 64, "<")]
-    for op, n, cmp in targets:
-        for r in recs:
-            p, x = r["params"], r["results"]
-            if p["op"] == op and (p["T"] if op == "chunk_kda" else p["B"]) == n and "speedup" in x:
-                ok = x["ours_ms"] <= x["peer_ms"] if cmp == "<=" else x["ours_ms"] < x["peer_ms"]
-                log(f"  target {op} {'T' if op == 'chunk_kda' else 'B'}={n}: ours {cmp} fla: {'MET' if ok else 'MISSED'}")
+    for op, key, n, cmp in TARGETS:
+        x = next((r["results"] for r in recs
+                  if r["params"]["op"] == op and r["params"][key] == n and "speedup" in r["results"]), None)
+        if x is not None:
+            met = x["ours_ms"] <= x["peer_ms"] if cmp == "<=" else x["ours_ms"] < x["peer_ms"]
+            log(f"  target {op} {key}={n}: ours {cmp} {PEER}: {'MET' if met else 'MISSED'}")
 
 
 def main(argv=None) -> None:
@@ -205,9 +220,10 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
     peer, peer_missing = load_fla()
-    log(f"peer: {PEER if peer else peer_missing}")
-    recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms) for T in args.chunk_T.split(",")]
-    recs += [run_case("kda_decode_step", int(B), 1, peer, peer_missing, args.rep_ms) for B in args.decode_B.split(",")]
+    log(f"peer: {f'fla {peer[2]}' if peer else peer_missing}")
+    recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms) for T in args.chunk_T.split(",") if T]
+    recs += [run_case("kda_decode_step", int(B), 1, peer, peer_missing, args.rep_ms)
+             for B in args.decode_B.split(",") if B]
     summarize(recs)
 
 

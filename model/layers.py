@@ -185,14 +185,15 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
-        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts) \
+            if cfg.num_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         idx, w = self.gate(x)
-        y = ops.moe_experts(x, idx, w, self.experts.gate_up_proj, self.experts.down_proj)
-        return (y + self.shared_experts(x)).view(shape)
+        y = ops.moe_experts(x, idx, w, self.experts.gate_up_proj, self.experts.down_proj, self.shared_experts)
+        return y.view(shape)
 
 
 class DecoderLayer(nn.Module):

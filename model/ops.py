@@ -145,21 +145,27 @@ def moe_route_torch(logits, bias, k, scaling, renorm):
     return idx, w * scaling
 
 
-def moe_experts(x, idx, w, gate_up, down):
-    """sum_k w[n,k] * down[e](silu(w1[e] x) * w3[e] x) with e = idx[n,k]; x [N,D], idx/w [N,k].
+def moe_experts(x, idx, w, gate_up, down, shared=None):
+    """sum_k w[n,k] * down[e](silu(w1[e] x) * w3[e] x) with e = idx[n,k], plus the shared expert (an `MLP`
+    module) when given; x [N,D], idx/w [N,k].
 
-    Decode-sized batches stream only the chosen experts' rows (Triton); prefill-sized ones sort the
-    (token, expert) pairs by expert and run two grouped GEMMs; the loop is the reference."""
+    Decode-sized batches stream only the chosen experts' rows, the shared expert's in the same two launches
+    (Triton); prefill-sized ones sort the (token, expert) pairs by expert and run two grouped GEMMs; the
+    loop is the reference."""
     if _triton(x) and x.shape[0] <= 16:
         from .triton.moe import fused_moe_small_batch
-        return fused_moe_small_batch(x, idx, w, gate_up, down)
+        sw = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+        return fused_moe_small_batch(x, idx, w, gate_up, down, sw)
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
-        return moe_experts_grouped(x, idx, w, gate_up, down)
-    return moe_experts_torch(x, idx, w, gate_up, down)
+        y = moe_experts_grouped(x, idx, w, gate_up, down)
+    else:
+        y = moe_experts_torch(x, idx, w, gate_up, down)
+    # one rounding of the fp32 sum, shared expert included (the fused kernel rounds at the same point)
+    return (y if shared is None else y + shared(x).float()).to(x.dtype)
 
 
 def moe_experts_grouped(x, idx, w, gate_up, down):
-    """Grouped-GEMM form: one GEMM launch per projection for all experts (prefill)."""
+    """Grouped-GEMM form: one GEMM launch per projection for all experts (prefill); fp32 result."""
     N, K = idx.shape
     E, I = gate_up.shape[0], down.shape[2]
     flat = idx.reshape(-1)
@@ -170,11 +176,11 @@ def moe_experts_grouped(x, idx, w, gate_up, down):
     h = F.silu(gu[:, :I]) * gu[:, I:]
     out = F.grouped_mm(h, down.transpose(1, 2), offs=offs).float() * w.reshape(-1)[order, None]
     y = torch.zeros(N, down.shape[1], dtype=torch.float32, device=x.device)
-    return y.index_add_(0, tok, out).to(x.dtype)
+    return y.index_add_(0, tok, out)
 
 
 def moe_experts_torch(x, idx, w, gate_up, down):
-    """Reference: loop over the experts that were chosen; accumulate in fp32."""
+    """Reference: loop over the experts that were chosen; accumulate in fp32 (returned in fp32)."""
     y = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
     I = down.shape[2]
     for e in torch.unique(idx).tolist():
@@ -182,4 +188,4 @@ def moe_experts_torch(x, idx, w, gate_up, down):
         gu = F.linear(x[tok], gate_up[e])
         h = F.silu(gu[:, :I]) * gu[:, I:]
         y.index_add_(0, tok, F.linear(h, down[e]).float() * w[tok, slot, None])
-    return y.to(x.dtype)
+    return y

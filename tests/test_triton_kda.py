@@ -3,11 +3,13 @@ recurrence, and HF transformers' RMSNorm modules.
 
 Without CUDA the kernels run on the CPU in Triton's interpreter: TRITON_INTERPRET is read by triton
 when the kernel modules are imported, so it is set here before those imports. Interpreter shapes are
-small (H <= 2, d = 16/32, T <= 130). Tests marked `gpu` run the real shapes (32 heads, head dim 128)
-and are skipped without CUDA.
+small (H <= 2, head dim 16..128, T <= 130). Tests marked `gpu` run the real shapes (32 heads, head
+dim 128, T up to 65,536, batch up to 64) and are skipped without CUDA.
 
 Every buffer a kernel writes is allocated NaN-filled (`poisoned_buffers`), and every comparison
-fails on a non-finite value, so an element a kernel forgets to write can never pass.
+fails on a non-finite value, so an element a kernel forgets to write can never pass. The interpreter
+never compiles a kernel, so one test also compiles them all for the H200 (sm_90) with Triton's bundled
+ptxas, which needs no GPU, and bounds their register spills.
 """
 import os
 
@@ -17,8 +19,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # also done by conftest.py; needed before the imports below
 
 import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from hypothesis import example, given, settings, strategies as st  # noqa: E402
 from transformers.models.kimi_linear.modeling_kimi_linear import (  # noqa: E402
     KimiLinearRMSNorm, KimiLinearRMSNormGated)
 
@@ -129,6 +132,11 @@ def run_decode(inp, **kw):
 # ---- chunked prefill ----------------------------------------------------------------------------
 
 @settings(max_examples=20)
+@example(T=1, B=1, K=16, V=16, regime="minus1000", with_state=True, dtype="fp32", seed=0)
+@example(T=63, B=2, K=32, V=16, regime="minus5", with_state=True, dtype="fp32", seed=1)
+@example(T=65, B=1, K=16, V=32, regime="near0", with_state=True, dtype="bf16", seed=2)
+@example(T=130, B=1, K=32, V=32, regime="mixed", with_state=True, dtype="fp32", seed=3)
+@example(T=130, B=2, K=32, V=32, regime="spikes", with_state=False, dtype="fp32", seed=4)
 @given(T=st.sampled_from([1, 2, 17, 63, 64, 65, 100, 128, 130]), B=st.integers(1, 2),
        K=st.sampled_from([16, 32]), V=st.sampled_from([16, 32]), regime=st.sampled_from(REGIMES),
        with_state=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**16))
@@ -206,8 +214,9 @@ def test_chunk_prefill_in_two_spans_equals_one(split):
 
 def test_prefill_then_decode_equals_one_recurrence():
     """Prefill with the chunk kernel, carry state and conv taps, decode with the fused step: the outputs
-    must be those of one fp64 recurrence over the whole sequence (state layout, taps, gates all agree)."""
-    B, H, d, W, T, steps = 2, 2, 32, 4, 66, 3
+    must be those of one fp64 recurrence over the whole sequence (state layout, taps, gates all agree).
+    d=64 gives two state blocks per head, so the per-head finishing (taps shift, counter reset) is used."""
+    B, H, d, W, T, steps = 2, 2, 64, 4, 66, 3
     gen = torch.Generator().manual_seed(5)
     inp = decode_inputs(B, H, d, W, torch.float32, 5)
     x = torch.randn(B, T + steps, 3 * H * d, generator=gen).to(DEV)
@@ -232,7 +241,7 @@ def test_prefill_then_decode_equals_one_recurrence():
 
 # ---- decode step --------------------------------------------------------------------------------
 
-@given(B=st.sampled_from([1, 2, 5]), H=st.integers(1, 2), d=st.sampled_from([16, 32]), W=st.integers(2, 4),
+@given(B=st.sampled_from([1, 2, 5]), H=st.integers(1, 2), d=st.sampled_from([16, 32, 64]), W=st.integers(2, 4),
        dtype=st.sampled_from(sorted(DTYPES)), A_shift=st.sampled_from([-6.0, 0.0, 7.0]),
        seed=st.integers(0, 2**16))
 def test_decode_matches_reference_composition(B, H, d, W, dtype, A_shift, seed):
@@ -247,7 +256,7 @@ def test_decode_matches_reference_composition(B, H, d, W, dtype, A_shift, seed):
     assert_close(state, rstate, tol, "state")
 
 
-@given(B=st.sampled_from([1, 3]), d=st.sampled_from([16, 32]), dtype=st.sampled_from(sorted(DTYPES)),
+@given(B=st.sampled_from([1, 3]), d=st.sampled_from([16, 32, 128]), dtype=st.sampled_from(sorted(DTYPES)),
        seed=st.integers(0, 2**16))
 def test_decode_fused_output_norm(B, d, dtype, seed):
     H = 2
@@ -342,6 +351,8 @@ def test_bad_inputs_get_clear_errors():
     inp = decode_inputs(2, 2, 16, 4, torch.float32, 0)
     with pytest.raises(TypeError, match="fp32"):
         run_decode({**inp, "state": inp["state"].bfloat16()})
+    with pytest.raises(ValueError, match="contiguous"):
+        run_decode({**inp, "state": inp["state"].transpose(-1, -2)})
     with pytest.raises(ValueError, match="conv_taps must be"):
         run_decode({**inp, "conv_taps": inp["conv_taps"][:, :2]})
     with pytest.raises(ValueError, match="conv_weight must be"):
@@ -392,6 +403,103 @@ def test_control_future_leak_check_sees_a_leak():
     assert not torch.equal(leaked[:, :5], o[:, :5])
 
 
+# ---- compiled for the H200, on any machine -------------------------------------------------------
+# The interpreter runs the kernels' math but never compiles them, so a kernel that cannot be compiled
+# would pass every CPU test above. Triton's bundled ptxas compiles for sm_90 without a GPU.
+
+def _segment_sums_kernel(broken: bool):
+    """Row sums of arange(BT) viewed as [BT // half, half] for half = 1, 2. `broken` binds half to a
+    name, which turns the constexpr into a tensor that cannot be a shape (a real past mistake)."""
+    if broken:
+        @triton.jit
+        def segment_sums(x, BT: tl.constexpr):
+            for lvl in tl.static_range(2):
+                half = 1 << lvl
+                tl.store(x + tl.arange(0, BT // half), tl.sum(tl.reshape(tl.arange(0, BT), (BT // half, half)), 1))
+    else:
+        @triton.jit
+        def segment_sums(x, BT: tl.constexpr):
+            for lvl in tl.static_range(2):
+                tl.store(x + tl.arange(0, BT // (1 << lvl)),
+                         tl.sum(tl.reshape(tl.arange(0, BT), (BT // (1 << lvl), 1 << lvl)), 1))
+    return segment_sums
+
+
+def sm90_spills() -> dict:
+    """Compile each kernel at the model's shapes (32 heads of 128, bf16) for sm_90: bytes of stack
+    (register spills) per thread, by kernel; `broken` is None when the deliberately broken twin of
+    `control` fails to compile, as it must."""
+    import subprocess, tempfile  # noqa: E401
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from model.triton import kda_chunk as kc, kda_decode as kd, norms as nm
+
+    def stack_bytes(fn, sig, consts, **opts):
+        sig = {**sig, **{name: "constexpr" for name in consts}}
+        k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=opts)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return int(usage.split("STACK:")[1].split()[0])
+
+    bf, f32 = "*bf16", "*fp32"
+    out = {
+        "prep": stack_bytes(kc._kda_chunk_prep_kernel, {**dict.fromkeys("qkv", bf), "g": f32, "beta": bf,
+                                                    **dict.fromkeys(["w", "qw", "kd", "u", "ou", "eglast"], f32),
+                                                    "T": "i32", "NT": "i32", "scale": "fp32"},
+                            dict(H=32, K=128, V=128, BT=kc.CHUNK, BK=kc._SLICE, LOG2_BT=kc._LOG2_CHUNK,
+                                 L2NORM=True, PREC="tf32"), num_warps=4),
+        "scan": stack_bytes(kc._kda_chunk_scan_kernel, {**dict.fromkeys(["w", "qw", "kd", "u", "ou", "eglast", "h0",
+                                                                     "ht"], f32), "o": bf, "T": "i32", "NT": "i32"},
+                            dict(H=32, K=128, V=128, BT=kc.CHUNK, BV=kc._BV, HAS_H0=True, STORE_HT=True,
+                                 PREC="tf32"), num_warps=8, num_stages=1),
+        "decode": stack_bytes(kd._kda_decode_kernel, {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf),
+                                                  "A_log": f32, "dt_bias": f32, "b_raw": bf, "state": f32, "o": bf,
+                                                  "out_gate": bf, "norm_w": bf, "arrivals": "*i32", "scale": "fp32",
+                                                  "eps": "fp32"},
+                              dict(H=32, D=128, W=4, WP=4, BV=kd._BV, HAS_NORM=True), num_warps=4),
+        "norm": stack_bytes(nm._rmsnorm_kernel, {**dict.fromkeys(["x", "res", "gate", "weight", "y", "res_out"], bf),
+                                                 "N": "i32", "eps": "fp32"},
+                            dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False), num_warps=8),
+    }
+    from model.triton import moe
+    I, D, K = 1024, 2304, 8
+    out["moe_gate_up"] = stack_bytes(moe._moe_expert_gate_up_kernel, {"x_ptr": bf, "idx_ptr": "*i64", "w_ptr": bf,
+                                                                     "sg_ptr": bf, "su_ptr": bf, "act_ptr": bf},
+                                     dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_I=16, BLOCK_D=512))
+    out["moe_down"] = stack_bytes(moe._moe_expert_down_kernel, {"act_ptr": bf, "idx_ptr": "*i64", "wt_ptr": f32,
+                                                               "w_ptr": bf, "sd_ptr": bf, "y_ptr": bf},
+                                  dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_D=8, BLOCK_I=1024))
+    out["moe_route"] = stack_bytes(moe._moe_route_kernel, {"logits_ptr": f32, "bias_ptr": f32, "idx_ptr": "*i64",
+                                                          "w_ptr": f32, "scaling": "fp32"},
+                                   dict(E=256, K=K, BLOCK_E=256, RENORM=True))
+    out["control"] = stack_bytes(_segment_sums_kernel(broken=False), {"x": "*i32"}, dict(BT=4))
+    try:
+        out["broken"] = stack_bytes(_segment_sums_kernel(broken=True), {"x": "*i32"}, dict(BT=4))
+    except triton.CompilationError:  # the negative control: this one must not compile
+        out["broken"] = None
+    return out
+
+
+def test_kernels_compile_for_the_h200():
+    """In a child process with TRITON_INTERPRET=0, so that the kernel modules hold compilable kernels."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import json, tests.test_triton_kda as t; print(json.dumps(t.sm90_spills()))"
+    child = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert child.returncode == 0, child.stderr[-4000:]
+    spills = json.loads(child.stdout.strip().splitlines()[-1])
+    assert spills["control"] == 0 and spills["broken"] is None, "the compile check cannot tell good from bad"
+    assert spills["scan"] == 0 and spills["decode"] == 0 and spills["norm"] == 0, spills
+    assert spills["moe_gate_up"] == 0 and spills["moe_down"] == 0 and spills["moe_route"] == 0, spills
+    assert spills["prep"] <= 64, spills
+
+
 # ---- real shapes on the GPU ---------------------------------------------------------------------
 
 @pytest.fixture
@@ -437,13 +545,23 @@ def test_gpu_chunk_saturated_gates(regime):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B", [1, 8, 64])
 def test_gpu_decode_real_shapes(B, dtype, no_tf32):
+    """Several steps in a row at 32 heads x 128 (4 state blocks per head, finished by whichever block
+    comes last): every step's o, state and taps against the composition of the torch references."""
     inp = decode_inputs(B, 32, 128, 4, DTYPES[dtype], B)
-    ro, rstate, rtaps = decode_reference(inp, 32, 128)
-    o, state, taps = run_decode(inp)
-    assert torch.equal(taps, rtaps)
+    gen = torch.Generator().manual_seed(B)
+    gate = torch.randn(B, 32 * 128, generator=gen).to(DTYPES[dtype]).cuda()
+    weight = torch.randn(128, generator=gen).cuda()
     tol = 1e-5 if dtype == "fp32" else 1e-2
-    assert_close(o, ro, tol, "o")
-    assert_close(state, rstate, 1e-5 if dtype == "fp32" else 1e-3, "state")
+    state, taps = inp["state"].clone(), inp["conv_taps"].clone()
+    for step in range(4):
+        inp = {**inp, "qkv_raw": torch.randn_like(inp["qkv_raw"]), "state": state, "conv_taps": taps}
+        ro, rstate, rtaps = decode_reference(inp, 32, 128)
+        normed, got_state, got_taps = run_decode(inp, out_gate=gate, norm_weight=weight)
+        assert torch.equal(got_taps, rtaps), f"step {step}: conv taps"
+        assert_close(got_state, rstate, tol, f"step {step}: state")
+        ref = hf_norm(KimiLinearRMSNormGated, 128, weight)(ro.to(normed.dtype), gate.view(B, 32, 128))
+        assert_close(normed, ref, tol if dtype == "fp32" else 2e-2, f"step {step}: normed o")
+        state, taps = rstate, rtaps  # each step starts from the reference, so errors do not compound
 
 
 @pytest.mark.gpu
@@ -457,7 +575,10 @@ def test_gpu_norms_are_exact_in_bf16():
     assert_within_ulps(y, ref)
     assert (y == ref).float().mean() > 0.99
     y_add, new_res = add_rmsnorm(x, res, w, 1e-5)
-    assert torch.equal(new_res, x + res) and (y_add == rmsnorm(x + res, w, 1e-5)).all()
+    assert torch.equal(new_res, x + res)
+    ref_add = hf_norm(KimiLinearRMSNorm, 2304, w)(x + res)
+    assert_within_ulps(y_add, ref_add)
+    assert (y_add == ref_add).float().mean() > 0.99
     o, gate = (torch.randn(4096, 32, 128, generator=gen).bfloat16().cuda() for _ in range(2))
     wg = torch.randn(128, generator=gen).cuda()
     ref = hf_norm(KimiLinearRMSNormGated, 128, wg)(o, gate)

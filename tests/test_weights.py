@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, strategies as st
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import (CheckpointError, INDEX_FILE, internal_names, load_checkpoint, original_names,
+from model.checkpoint import (FP32_HELD, CheckpointError, INDEX_FILE, internal_names, load_checkpoint, original_names,
                               save_checkpoint, to_internal, to_original)
 from model.config import PRESETS, ConfigError
 from model.weights import fingerprint, synthetic_tensor, synthetic_weights
@@ -166,12 +166,14 @@ def test_synthetic_tensors_are_generated_per_original_name():
         synthetic_tensor(TINY, "model.layers.1.mlp.experts.gate_up_proj")
 
 
-def test_synthetic_bf16_is_the_fp32_model_rounded():
+def test_synthetic_weights_hold_the_same_values_in_every_dtype():
+    """Checkpoint-valued: the bf16, fp32 and fp64 models carry the same numbers."""
     f32, b16 = synthetic_weights(TINY, seed=2), synthetic_weights(TINY, seed=2, dtype=torch.bfloat16)
+    f64 = synthetic_weights(TINY, seed=2, dtype=torch.float64)
     for n in f32:
-        kept = n.rsplit(".", 1)[-1] in FP32_KEPT
+        kept = n.rsplit(".", 1)[-1] in FP32_KEPT or n.endswith(FP32_HELD)
         assert b16[n].dtype == (torch.float32 if kept else torch.bfloat16), n
-        assert torch.equal(b16[n], f32[n] if kept else f32[n].to(torch.bfloat16)), n
+        assert torch.equal(b16[n].float(), f32[n]) and torch.equal(f64[n], f32[n].double()), n
 
 
 def test_synthetic_scales_tiny():
@@ -273,7 +275,8 @@ def test_load_casts_except_fp32_kept(ckpt):
     assert all(torch.equal(f32[n], sd[n].float()) for n in sd)
     _, f16 = load_checkpoint(path, dtype=torch.float16)
     for n, t in f16.items():
-        assert t.dtype == (torch.float32 if n.rsplit(".", 1)[-1] in FP32_KEPT else torch.float16), n
+        kept = n.rsplit(".", 1)[-1] in FP32_KEPT or n.endswith(FP32_HELD)
+        assert t.dtype == (torch.float32 if kept else torch.float16), n
 
 
 def test_save_rounds_fp32_to_the_checkpoint_dtypes(tmp_path):
@@ -289,7 +292,8 @@ def test_load_single_file(tmp_path, ckpt):
     single = tmp_path / "single"
     single.mkdir()
     (single / "config.json").write_text((path / "config.json").read_text())
-    tensors = {n: t.clone() for n, t in to_original(sd, TINY).items()}  # clone: stack views share storage
+    fmt = original_names(TINY)
+    tensors = {n: t.to(fmt[n][1]).clone() for n, t in to_original(sd, TINY).items()}  # clone: views share storage
     save_file(tensors, single / "model.safetensors", metadata={"format": "pt"})
     _, loaded = load_checkpoint(single)
     assert same_bytes(loaded, sd)

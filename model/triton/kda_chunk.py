@@ -2,20 +2,22 @@
 
 Two kernels, both per (batch, head):
 
-1. `_chunk_prep_kernel`, one program per chunk of BT=64 tokens, all chunks in parallel. It does
-   everything that does not need the state: q/k L2 norm, the cumulative log decay G, the intra-chunk
-   matrices Akk/Aqk, the UT-transform solve T = (I + Akk)^-1, and folds the results into five
-   per-chunk operands of the state recurrence (fp32, [B*H, NT*BT, D] so a chunk is one contiguous slab):
-       w  = T (beta k e^G)            u  = T (beta v)
+1. `_kda_chunk_prep_kernel`, one program per chunk of BT=64 tokens, all chunks in parallel. It does
+   everything that does not need the state: q/k L2 norm, the intra-chunk matrices Akk/Aqk with their
+   pairwise decays, the UT-transform solve T = (I + Akk)^-1, and folds the results into five per-chunk
+   operands of the state recurrence (fp32, [B*H, NT*BT, D] so a chunk is one contiguous slab):
+       w  = T (beta k e^G)            u  = T (beta v)              (G: cumulative log decay in the chunk)
        qw = q e^G - Aqk w             ou = Aqk u
        kd = k e^(G_last - G)          eglast = e^G_last
-2. `_chunk_scan_kernel`, one program per V-block, walking the chunks in order with the fp32 state
-   S [K, BV] in registers:
+2. `_kda_chunk_scan_kernel`, one program per (head, V-block of 32), walking the chunks in order with the
+   fp32 state S [K, BV] in registers:
        v_new = u - w S;   o = qw S + ou   (= q e^G S + Aqk v_new);   S <- eglast * S + kd^T v_new
 
-Decays are only ever formed as exp of a non-positive number (see the prep kernel), so gates near 0,
-at -5 or at -1000 neither overflow nor produce NaN. Matmuls run on tensor cores with fp32 operands:
-`tf32x3` (about fp32 accuracy) for fp32 inputs, `tf32` for bf16/fp16 inputs.
+Decays are only ever formed as exp of a non-positive sum of gates (see the prep kernel), so gates near
+0, at -5 or at -1000 neither overflow nor lose digits. Matmuls run on tensor cores with fp32 operands:
+`tf32x3` (about fp32 accuracy) for fp32 inputs, `tf32` for bf16/fp16 inputs. Tiles and warps are sized
+so that, for bf16 inputs on sm_90, the scan kernel does not spill registers and the prep kernel spills
+32 bytes per thread (checked offline with Triton's bundled ptxas).
 """
 from __future__ import annotations
 
@@ -27,73 +29,64 @@ import model.triton as mt
 
 CHUNK = 64
 _LOG2_CHUNK = 6
+_SLICE = 16  # columns of q, k, g, v the prep kernel holds at a time
+_BV = 32     # state columns per scan program
 
 
 @triton.jit
-def _segment_cumsum(x, SEG: tl.constexpr, BT: tl.constexpr, K: tl.constexpr, REVERSE: tl.constexpr):
-    """Cumulative sum of x [BT, K] down the rows, restarting at every aligned block of SEG rows."""
-    if SEG == 1:
-        y = x
-    else:
-        y = tl.reshape(tl.cumsum(tl.reshape(x, (BT // SEG, SEG, K)), axis=1, reverse=REVERSE), (BT, K))
-    return y
-
-
-@triton.jit
-def _load_gates(g_row0, n_live, SHIFT: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
-    """g of the chunk's rows SHIFT .. SHIFT+BT-1 as [BT, K] fp32; zero past the chunk and past T.
-
-    Reloaded where needed (L1/L2 hits) instead of held across the kernel: registers are the limit here.
-    """
+def _load_rows(p0, n_live, SHIFT: tl.constexpr, STRIDE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """Rows SHIFT .. SHIFT+BT-1 of a chunk, BK columns from p0, as fp32 [BT, BK]; zero past the chunk and T."""
     r = tl.arange(0, BT) + SHIFT
-    p = g_row0 + r[:, None] * (H * K) + tl.arange(0, K)[None, :]
+    p = p0 + r[:, None] * STRIDE + tl.arange(0, BK)[None, :]
     return tl.load(p, mask=((r < n_live) & (r < BT))[:, None], other=0.).to(tl.float32)
 
 
 @triton.jit
-def _level_pairs(b_q, b_k, g_row0, n_live, HALF: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-                 BT: tl.constexpr, PREC: tl.constexpr):
-    """sum_c k_t k_s exp(G_t - G_s) and the same with q_t, over the pairs (t, s) with t in the upper and
-    s in the lower half of one 2*HALF-block of rows ([BT, BT] each, zero elsewhere).
+def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
+    """Partial sums (over this K slice) of sum_c k_t k_s exp(G_t - G_s) and the same with q_t, for the
+    pairs (t, s) with t in the upper and s in the lower half of one 2*half-block of rows; zero elsewhere.
 
     With r the last row of that lower half, exp(G_t - G_s) = exp(g_{r+1} + ... + g_t) * exp(g_{s+1} + ... + g_r):
-    both factors <= 1, one per row, so the pairs are one tl.dot.
+    both factors <= 1, one per row, so the pairs of a level are one tl.dot. Each exponent is the sum of
+    the gates it spans, taken as a 0/1-masked product with g (tf32x3: fp32-accurate, and a -1000 gate
+    outside the span contributes an exact 0), never as a difference of long prefix sums, which would
+    lose its low digits after a gate of -1000.
     """
     r = tl.arange(0, BT)
     c = tl.arange(0, BT)
-    upper = ((r // HALF) % 2 == 1)[:, None]
-    into = _segment_cumsum(_load_gates(g_row0, n_live, 0, H, K, BT), HALF, BT, K, False)   # g_{r+1} + ... + g_t
-    g_next = tl.where((r % HALF == HALF - 1)[:, None], 0., _load_gates(g_row0, n_live, 1, H, K, BT))
-    out_of = _segment_cumsum(g_next, HALF, BT, K, True)                                     # g_{s+1} + ... + g_r
-    decay = tl.exp(tl.where(upper, into, out_of))
-    k_col = tl.where(upper, 0., b_k * decay)
-    pair = (r[:, None] // (2 * HALF)) == (c[None, :] // (2 * HALF))
-    A_kk = tl.where(pair, tl.dot(tl.where(upper, b_k * decay, 0.), tl.trans(k_col), input_precision=PREC), 0.)
-    A_qk = tl.where(pair, tl.dot(tl.where(upper, b_q * decay, 0.), tl.trans(k_col), input_precision=PREC), 0.)
+    upper = (r // half) % 2 == 1
+    same_half = (r[:, None] // half) == (c[None, :] // half)
+    spans = same_half & tl.where(upper[:, None], c[None, :] <= r[:, None], c[None, :] > r[:, None])
+    decay = tl.exp(tl.dot(spans.to(tl.float32), g_s, input_precision="tf32x3"))
+    k_row = tl.where(upper[:, None], k_s * decay, 0.)
+    q_row = tl.where(upper[:, None], q_s * decay, 0.)
+    k_col = tl.trans(tl.where(upper[:, None], 0., k_s * decay))
+    pair = (r[:, None] // (2 * half)) == (c[None, :] // (2 * half))
+    A_kk = tl.where(pair, tl.dot(k_row, k_col, input_precision=PREC), 0.)
+    A_qk = tl.where(pair, tl.dot(q_row, k_col, input_precision=PREC), 0.)
     return A_kk, A_qk
 
 
 @triton.jit
-def _chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                        LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
     """Per-chunk, state-free part of chunked KDA. Grid (NT, B*H); one program = one chunk of one head.
 
-    Tiles: q, k, g as [BT, K] and v as [BT, V] fp32 in registers; Akk, Aqk, T as [BT, BT].
-    Rows past T load as zeros (g = 0, beta = 0), which makes every output row there exactly zero, so
-    the scan kernel never needs a mask.
+    Only the [BT, BT] matrices Akk, Aqk and T stay in registers; q, k, g, v are streamed in [BT, BK]
+    column slices (L1-resident rereads), which keeps the kernel out of register spills. Rows past T load
+    as zeros (g = 0, beta = 0), which makes every output row there exactly zero, so the scan kernel
+    never needs a mask.
 
-    Intra-chunk pairs s < t are visited by the highest bit in which t and s differ: at level `half`
-    (1, 2, ..., 32 for BT=64) t lies in the upper and s in the lower half of the same 2*half-block
-    (`_level_pairs`: one tl.dot per level, decays as products of two factors <= 1). The exponents are
-    sums over the rows they span (segmented scans), not differences of the chunk-long prefix sum G:
-    after a gate of -1000 that difference would have lost its low digits. Every pair s < t belongs
-    to exactly one level; the diagonal q_t.k_t (Aqk only) is added last.
-
-    The same levels solve T = (I + Akk)^-1 by block doubling: with Tb the inverse of the
-    block-diagonal part (blocks of `half`) and L the pairs of this level (lower-left block of each
-    2*half-block), the inverse with blocks of 2*half is Tb - Tb L Tb. Starting from Tb = I, six
-    levels give the full 64x64 inverse; every step is an exact 2x2 block inverse, no series.
+    1. row norms of q and k (L2 norm; q also times scale);
+    2. Akk (times beta) and Aqk: the pairs s < t are visited by the highest bit in which t and s
+       differ, one tl.dot per level and slice (`_level_pairs`); the diagonal q_t.k_t is added to Aqk;
+    3. T = (I + Akk)^-1 by block doubling over the same levels: with Tb the inverse of the
+       block-diagonal part (blocks of `half`) and L the pairs of level `half` (lower-left block of
+       each 2*half-block), the inverse with blocks of 2*half is Tb - Tb L Tb; from Tb = I six levels
+       give the full 64x64 inverse, every step an exact 2x2 block inverse (no series);
+    4. per slice: w = T (beta k e^G), qw = q e^G - Aqk w, kd = k e^(G_last - G) (the exponent summed
+       from the end of the chunk), eglast = e^G_last; per V slice: u = T (beta v), ou = Aqk u.
     """
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -101,58 +94,70 @@ def _chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
     i_h = i_bh % H
     r = tl.arange(0, BT)
     c = tl.arange(0, BT)
-    ck = tl.arange(0, K)
-    cv = tl.arange(0, V)
-    t = i_t * BT + r
-    live = t < T
-    # scalar base of the chunk's first row + int32 tile offsets: lets the loads vectorise
-    row0 = (i_b.to(tl.int64) * T + i_t * BT) * H + i_h   # row of the [B*T*H, D] inputs
+    cb = tl.arange(0, BK)
+    live = i_t * BT + r < T
     n_live = T - i_t * BT
-    g_row0 = g + row0 * K
-    qk_off = r[:, None] * (H * K) + ck[None, :]
-
-    b_q = tl.load(q + row0 * K + qk_off, mask=live[:, None], other=0.).to(tl.float32)
-    b_k = tl.load(k + row0 * K + qk_off, mask=live[:, None], other=0.).to(tl.float32)
+    row0 = (i_b.to(tl.int64) * T + i_t * BT) * H + i_h   # chunk's first row of the [B*T*H, D] inputs
+    slab = (i_bh.to(tl.int64) * NT + i_t) * BT          # chunk's first row of the [B*H, NT*BT, D] outputs
     b_beta = tl.load(beta + row0 + r * H, mask=live, other=0.).to(tl.float32)
+
+    f_q = tl.zeros([BT], dtype=tl.float32) + scale      # row factors: q_t * f_q[t], k_t * f_k[t]
+    f_k = tl.zeros([BT], dtype=tl.float32) + 1.
     if L2NORM:
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-    b_q = b_q * scale
+        ss_q = tl.zeros([BT], dtype=tl.float32)
+        ss_k = tl.zeros([BT], dtype=tl.float32)
+        for kk in range(0, K, BK):
+            q_s = _load_rows(q + row0 * K + kk, n_live, 0, H * K, BT, BK)
+            k_s = _load_rows(k + row0 * K + kk, n_live, 0, H * K, BT, BK)
+            ss_q += tl.sum(q_s * q_s, axis=1)
+            ss_k += tl.sum(k_s * k_s, axis=1)
+        f_q = f_q / tl.sqrt(ss_q + 1e-6)
+        f_k = f_k / tl.sqrt(ss_k + 1e-6)
 
+    Akk = tl.zeros([BT, BT], dtype=tl.float32)
     Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    for kk in range(0, K, BK):
+        q_s = _load_rows(q + row0 * K + kk, n_live, 0, H * K, BT, BK) * f_q[:, None]
+        k_s = _load_rows(k + row0 * K + kk, n_live, 0, H * K, BT, BK) * f_k[:, None]
+        g_s = _load_rows(g + row0 * K + kk, n_live, 0, H * K, BT, BK)
+        for lvl in range(LOG2_BT):  # a loop, not unrolled: one level's tiles live at a time
+            A_kk, A_qk = _level_pairs(q_s, k_s, g_s, 1 << lvl, BT, PREC)
+            Akk += A_kk
+            Aqk += A_qk
+        Aqk += tl.where(r[:, None] == c[None, :], tl.sum(q_s * k_s, axis=1)[:, None], 0.)
+    Akk = Akk * b_beta[:, None]
+
     Tm = (r[:, None] == c[None, :]).to(tl.float32)
-    for lvl in tl.static_range(LOG2_BT):
-        # (1 << lvl) goes straight into a constexpr parameter: a name bound to it would become a tensor
-        A_lvl, Aqk_lvl = _level_pairs(b_q, b_k, g_row0, n_live, 1 << lvl, H, K, BT, PREC)
-        A_lvl = A_lvl * b_beta[:, None]
-        Aqk += Aqk_lvl
-        Tm = Tm - tl.dot(tl.dot(Tm, A_lvl, input_precision=PREC), Tm, input_precision=PREC)
-    Aqk += tl.where(r[:, None] == c[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.)
+    for lvl in range(LOG2_BT):
+        half = 1 << lvl
+        coupling = (r[:, None] // (2 * half) == c[None, :] // (2 * half)) & (r[:, None] // half != c[None, :] // half)
+        L = tl.where(coupling, Akk, 0.)
+        Tm = Tm - tl.dot(tl.dot(Tm, L, input_precision=PREC), Tm, input_precision=PREC)
 
-    G = tl.cumsum(_load_gates(g_row0, n_live, 0, H, K, BT), axis=0)   # g_1 + ... + g_t
-    e_G = tl.exp(G)
-    G_last = tl.sum(tl.where((r == BT - 1)[:, None], G, 0.), axis=0)   # padded rows add g = 0
-    b_v = tl.load(v + row0 * V + r[:, None] * (H * V) + cv[None, :], mask=live[:, None], other=0.).to(tl.float32)
-    b_w = tl.dot(Tm, b_k * (b_beta[:, None] * e_G), input_precision=PREC)
-    b_u = tl.dot(Tm, b_v * b_beta[:, None], input_precision=PREC)
-    b_qw = b_q * e_G - tl.dot(Aqk, b_w, input_precision=PREC)
-    b_ou = tl.dot(Aqk, b_u, input_precision=PREC)
-    # exp(g_{t+1} + ... + g_last), summed from the end: no difference of long prefix sums
-    b_kd = b_k * tl.exp(tl.cumsum(_load_gates(g_row0, n_live, 1, H, K, BT), axis=0, reverse=True))
-
-    slab = (i_bh.to(tl.int64) * NT + i_t) * BT          # first row of this chunk in the [B*H, NT*BT, D] outputs
-    k_off = r[:, None] * K + ck[None, :]
-    v_off = r[:, None] * V + cv[None, :]
-    tl.store(w + slab * K + k_off, b_w)
-    tl.store(qw + slab * K + k_off, b_qw)
-    tl.store(kd + slab * K + k_off, b_kd)
-    tl.store(u + slab * V + v_off, b_u)
-    tl.store(ou + slab * V + v_off, b_ou)
-    tl.store(eglast + (i_bh.to(tl.int64) * NT + i_t) * K + ck, tl.exp(G_last))
+    for kk in range(0, K, BK):
+        q_s = _load_rows(q + row0 * K + kk, n_live, 0, H * K, BT, BK) * f_q[:, None]
+        k_s = _load_rows(k + row0 * K + kk, n_live, 0, H * K, BT, BK) * f_k[:, None]
+        G = tl.cumsum(_load_rows(g + row0 * K + kk, n_live, 0, H * K, BT, BK), axis=0)  # g_1 + ... + g_t
+        e_G = tl.exp(G)
+        b_w = tl.dot(Tm, k_s * (b_beta[:, None] * e_G), input_precision=PREC)
+        out = r[:, None] * K + kk + cb[None, :]
+        tl.store(w + slab * K + out, b_w)
+        tl.store(qw + slab * K + out, q_s * e_G - tl.dot(Aqk, b_w, input_precision=PREC))
+        # g_{t+1} + ... + g_last, summed from the end (not G_last - G_t)
+        to_end = tl.cumsum(_load_rows(g + row0 * K + kk, n_live, 1, H * K, BT, BK), axis=0, reverse=True)
+        tl.store(kd + slab * K + out, k_s * tl.exp(to_end))
+        G_last = tl.sum(tl.where((r == BT - 1)[:, None], G, 0.), axis=0)  # padded rows add g = 0
+        tl.store(eglast + (i_bh.to(tl.int64) * NT + i_t) * K + kk + cb, tl.exp(G_last))
+    for vv in range(0, V, BK):
+        b_u = tl.dot(Tm, _load_rows(v + row0 * V + vv, n_live, 0, H * V, BT, BK) * b_beta[:, None],
+                     input_precision=PREC)
+        out = r[:, None] * V + vv + cb[None, :]
+        tl.store(u + slab * V + out, b_u)
+        tl.store(ou + slab * V + out, tl.dot(Aqk, b_u, input_precision=PREC))
 
 
 @triton.jit
-def _chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
+def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                        BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
     """Inter-chunk recurrence and output. Grid (V // BV, B*H); one program = one head's V-block.
@@ -231,7 +236,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         raise ValueError(f"chunk_kda_fwd: initial_state must be [B, H, K, V] = {(B, H, K, V)}, "
                          f"got {tuple(initial_state.shape)}")
-    mt.require_runnable(_chunk_prep_kernel, q.device)
+    mt.require_runnable(_kda_chunk_prep_kernel, q.device)
     scale = K ** -0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.to(device=q.device, dtype=torch.float32).contiguous()
     o = mt.empty(B, T, H, V, dtype=v.dtype, device=q.device)
@@ -249,13 +254,12 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     w, qw, kd = (mt.empty(BH, NT * CHUNK, K, dtype=torch.float32, device=dev) for _ in range(3))
     u, ou = (mt.empty(BH, NT * CHUNK, V, dtype=torch.float32, device=dev) for _ in range(2))
     eglast = mt.empty(BH, NT, K, dtype=torch.float32, device=dev)
-    prec = "tf32x3" if v.dtype == torch.float32 else "tf32"
-    _chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
-                                 H=H, K=K, V=V, BT=CHUNK, LOG2_BT=_LOG2_CHUNK, L2NORM=bool(l2norm_qk),
-                                 PREC=prec, num_warps=8)
-    # more V-blocks when there are few heads, so the sequential scan still fills the GPU
-    BV = min(V, 32 if BH < 128 else 64)
-    _chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
+    prec = "tf32x3" if torch.float32 in (q.dtype, k.dtype, v.dtype) else "tf32"
+    _kda_chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
+                                 H=H, K=K, V=V, BT=CHUNK, BK=_SLICE, LOG2_BT=_LOG2_CHUNK,
+                                 L2NORM=bool(l2norm_qk), PREC=prec, num_warps=4)
+    BV = min(V, _BV)
+    _kda_chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                                       H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None,
-                                      STORE_HT=ht is not None, PREC=prec, num_warps=4, num_stages=1)
+                                      STORE_HT=ht is not None, PREC=prec, num_warps=8, num_stages=1)
     return o, ht

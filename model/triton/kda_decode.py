@@ -1,8 +1,8 @@
 """One KDA decode step in one Triton launch: the fast twin of composing `model.kda.causal_conv1d`,
 `kda_gate`, sigmoid and `recurrent_kda_step` (and, optionally, the gated output RMSNorm).
 
-One program per (sequence, head) owns that head's whole fp32 state [K, V] (64 KB at d=128) and its
-q/k/v conv channels, so the in-place updates of state and conv taps need no cross-program care.
+One program per (sequence, head, block of 32 state columns): at batch 1 that is 128 programs, each
+moving 16 KB of fp32 state in and out, so the GPU's memory pipes stay full at every batch size.
 """
 from __future__ import annotations
 
@@ -13,17 +13,30 @@ import triton.language as tl
 import model.triton as mt
 
 
+_BV = 32  # state columns per program
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 [>= n] zeros, kept per device: the decode kernel counts each head's finished blocks here and
+    puts the count back to 0, so the buffer is reused by every launch (also inside a CUDA graph, once a
+    launch outside it has created the buffer). One decode step at a time per device."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _counters[device] = torch.zeros(n, dtype=torch.int32, device=device)
+    return buf
+
+
 @triton.jit
 def _short_conv(x, taps, conv_w, i_b, ch, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
     """Depthwise causal conv of the current input with the W-1 stored taps, then SiLU, for channels ch.
 
     Rounds where `causal_conv1d` does: inputs to the weight dtype, the conv and the SiLU results to
-    the weight dtype, then to the input dtype. Returns (activation fp32 [D], old taps [WP, D], x [D]).
+    the weight dtype, then to the input dtype. Returns the activation as fp32.
     """
     j = tl.arange(0, WP)
     m_j = (j < W - 1)[:, None]
-    p_taps = taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :]
-    old = tl.load(p_taps, mask=m_j, other=0.)
+    old = tl.load(taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :], mask=m_j, other=0.)
     b_x = tl.load(x + i_b.to(tl.int64) * C + ch)
     w_taps = tl.load(conv_w + ch[None, :] * W + j[:, None], mask=m_j, other=0.)
     w_now = tl.load(conv_w + ch * W + (W - 1))
@@ -32,16 +45,22 @@ def _short_conv(x, taps, conv_w, i_b, ch, C: tl.constexpr, W: tl.constexpr, WP: 
     acc = tl.sum(old.to(xdt).to(wdt).to(tl.float32) * w_taps.to(tl.float32), axis=0)
     acc += b_x.to(wdt).to(tl.float32) * w_now.to(tl.float32)
     y = acc.to(wdt).to(tl.float32)
-    y = (y * tl.sigmoid(y)).to(wdt).to(xdt).to(tl.float32)
-    return y, old, b_x
+    return (y * tl.sigmoid(y)).to(wdt).to(xdt).to(tl.float32)
 
 
-@triton.jit
-def _shift_taps(taps, i_b, ch, old, b_x, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """Drop the oldest tap and append the current input (taps hold the last W-1 inputs)."""
+@triton.jit(noinline=True)
+def _shift_taps(x, taps, i_b, ch0, N: tl.constexpr, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """Drop the oldest tap and append the current input (taps hold the last W-1 inputs), for the N
+    channels from ch0. Rereads what it moves; a separate function, so that its registers are not
+    added to the state update's."""
     j = tl.arange(0, WP)
+    ch = ch0 + tl.arange(0, N)
     p_taps = taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :]
-    tl.store(p_taps - C, old, mask=((j >= 1) & (j < W - 1))[:, None])
+    keep = ((j >= 1) & (j < W - 1))[:, None]
+    old = tl.load(p_taps, mask=keep, other=0.)
+    b_x = tl.load(x + i_b.to(tl.int64) * C + ch)
+    tl.debug_barrier()  # every thread has read the rows before any row is overwritten
+    tl.store(p_taps - C, old, mask=keep)
     tl.store(taps + (i_b * (W - 1) + W - 2).to(tl.int64) * C + ch, b_x.to(taps.dtype.element_ty))
 
 
@@ -54,59 +73,81 @@ def _softplus(x):
     return tl.where(x > 20., x, log1p)
 
 
-@triton.jit
-def _decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, scale, eps,
-                   H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-                   HAS_NORM: tl.constexpr):
-    """One token of KDA for one (sequence, head). Grid (B*H,).
+@triton.jit(noinline=True)
+def _gated_norm_row(p_o, p_gate, norm_w, eps, D: tl.constexpr):
+    """o <- rmsnorm(o) * norm_w * sigmoid(gate) in place, for one row of D (o as stored, in its dtype)."""
+    cd = tl.arange(0, D)
+    o_row = tl.load(p_o + cd, cache_modifier=".cg").to(tl.float32)   # o of other programs: skip L1
+    o_row = o_row * tl.rsqrt(tl.sum(o_row * o_row) / D + eps) * tl.load(norm_w + cd).to(tl.float32)
+    o_row = o_row * tl.sigmoid(tl.load(p_gate + cd).to(tl.float32))
+    tl.debug_barrier()
+    tl.store(p_o + cd, o_row.to(p_o.dtype.element_ty))
 
-    Tiles: the state S [D, D] fp32 (K rows, V columns) and the conv taps [W-1 -> WP, D] per stream.
+
+@triton.jit
+def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, arrivals, scale, eps,
+                   H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
+                   HAS_NORM: tl.constexpr):
+    """One token of KDA for one (sequence, head) and one block of BV state columns. Grid (B*H, D // BV).
+
         q, k, v = silu(conv(taps, x))        (per channel; taps shifted in place)
         g = -exp(A_log[h]) * softplus(f + dt_bias);  beta = sigmoid(b_raw)
         q = l2norm(q) * scale;  k = l2norm(k)
         S <- S * exp(g)[:, None];  S <- S + k (beta (v - S^T k))^T;  o = S^T q
-    With HAS_NORM, o is replaced by rmsnorm(o) * norm_w * sigmoid(out_gate) (KimiLinearRMSNormGated
-    on the o rounded to the model dtype, as the unfused path would see it).
+    Tiles: the state block S [D, BV] fp32, q and k whole ([D], recomputed by every block of the head:
+    a conv of one token is cheap), v and o for the block's BV columns. A block of S needs only its own
+    columns of v, so the blocks are independent except for two things done once per head, by the
+    head's last block to finish (counted in `arrivals`, which it resets to 0): shifting the q and k
+    conv taps, which every block reads, and, with HAS_NORM, replacing o by
+    rmsnorm(o) * norm_w * sigmoid(out_gate) (KimiLinearRMSNormGated on the o rounded to the model
+    dtype, as the unfused path would see it), which needs the whole row of o.
     """
     i_bh = tl.program_id(0)
+    i_v = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
     cd = tl.arange(0, D)
+    cv = i_v * BV + tl.arange(0, BV)
     C: tl.constexpr = 3 * H * D
-    b_q, q_old, q_x = _short_conv(qkv, taps, conv_w, i_b, i_h * D + cd, C, W, WP)
-    b_k, k_old, k_x = _short_conv(qkv, taps, conv_w, i_b, (H + i_h) * D + cd, C, W, WP)
-    b_v, v_old, v_x = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + cd, C, W, WP)
+    p_s = state + i_bh.to(tl.int64) * D * D + cd[:, None] * D + cv[None, :]
+    S = tl.load(p_s)
 
-    hd = i_b.to(tl.int64) * H * D + i_h * D + cd
-    b_f = tl.load(f + hd).to(tl.float32) + tl.load(dt_bias + i_h * D + cd).to(tl.float32)
+    b_q = _short_conv(qkv, taps, conv_w, i_b, i_h * D + cd, C, W, WP)
+    b_k = _short_conv(qkv, taps, conv_w, i_b, (H + i_h) * D + cd, C, W, WP)
+    b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + cv, C, W, WP)
+    hd = i_b.to(tl.int64) * H * D + i_h * D
+    b_f = tl.load(f + hd + cd).to(tl.float32) + tl.load(dt_bias + i_h * D + cd).to(tl.float32)
     b_g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * _softplus(b_f)
     b_beta = tl.sigmoid(tl.load(b_raw + i_bh).to(tl.float32))
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
 
-    p_state = state + i_bh.to(tl.int64) * D * D + cd[:, None] * D + cd[None, :]
-    S = tl.load(p_state) * tl.exp(b_g)[:, None]
+    S = S * tl.exp(b_g)[:, None]
     b_u = b_beta * (b_v - tl.sum(S * b_k[:, None], axis=0))
     S += b_k[:, None] * b_u[None, :]
     b_o = tl.sum(S * b_q[:, None], axis=0)
-    if HAS_NORM:
-        b_o = b_o.to(o.dtype.element_ty).to(tl.float32)
-        b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o) / D + eps)
-        b_o = b_o * tl.load(norm_w + cd).to(tl.float32)
-        b_o = b_o * tl.sigmoid(tl.load(out_gate + hd).to(tl.float32))
+    p_o = o + i_bh.to(tl.int64) * D
+    tl.debug_barrier()  # every load of this block's state landed before any of it is overwritten
+    tl.store(p_s, S)
+    tl.store(p_o + cv, b_o.to(o.dtype.element_ty))
+    _shift_taps(qkv, taps, i_b, (2 * H + i_h) * D + i_v * BV, BV, C, W, WP)  # this block's own v channels
 
-    # every load of state and taps above must land before any thread overwrites them
+    # Report in once every thread of this block is done with the q/k taps and has stored its o
+    # (acq_rel atomic); the last of the head's blocks to report finishes the head.
     tl.debug_barrier()
-    tl.store(p_state, S)
-    tl.store(o + i_bh.to(tl.int64) * D + cd, b_o.to(o.dtype.element_ty))
-    _shift_taps(taps, i_b, i_h * D + cd, q_old, q_x, C, W, WP)
-    _shift_taps(taps, i_b, (H + i_h) * D + cd, k_old, k_x, C, W, WP)
-    _shift_taps(taps, i_b, (2 * H + i_h) * D + cd, v_old, v_x, C, W, WP)
+    if tl.atomic_add(arrivals + i_bh, 1) == D // BV - 1:
+        _shift_taps(qkv, taps, i_b, i_h * D, D, C, W, WP)
+        _shift_taps(qkv, taps, i_b, (H + i_h) * D, D, C, W, WP)
+        if HAS_NORM:
+            _gated_norm_row(p_o, out_gate + hd, norm_w, eps, D)
+        tl.atomic_xchg(arrivals + i_bh, 0)
 
 
 def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, scale=None, *,
                      out_gate=None, norm_weight=None, norm_eps=1e-5):
-    """One KDA decode step for B sequences, one launch.
+    """One KDA decode step for B sequences, one launch (one program per sequence, head and block of 32
+    state columns; a small int32 counter buffer per device, kept by this module, lets the last block of
+    each head finish it: one decode step at a time per device).
 
     qkv_raw [B, 3*H*d]: the q|k|v projections before the conv (model dtype).
     conv_taps [B, W-1, 3*H*d]: the last W-1 projection inputs, updated in place.
@@ -121,9 +162,10 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
         raise ValueError(f"fused_kda_decode: state must be [B, H, d, d], got {tuple(state.shape)}")
     B, H, D, _ = state.shape
     C = 3 * H * D
-    if state.dtype != torch.float32 or not state.is_contiguous():
-        raise TypeError(f"fused_kda_decode: state must be contiguous fp32 (updated in place), "
-                        f"got {state.dtype}, contiguous={state.is_contiguous()}")
+    if state.dtype != torch.float32:
+        raise TypeError(f"fused_kda_decode: state must be fp32 (updated in place), got {state.dtype}")
+    if not state.is_contiguous():
+        raise ValueError("fused_kda_decode: state must be contiguous (it is updated in place)")
     if D < 16 or D > 128 or D & (D - 1):
         raise ValueError(f"fused_kda_decode: head dim must be a power of two in [16, 128], got {D}")
     if qkv_raw.shape != (B, C):
@@ -152,7 +194,7 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     for x in tensors:
         if x.device != state.device:
             raise ValueError(f"fused_kda_decode: all tensors must be on {state.device}, one is on {x.device}")
-    mt.require_runnable(_decode_kernel, state.device)
+    mt.require_runnable(_kda_decode_kernel, state.device)
 
     scale = D ** -0.5 if scale is None else float(scale)
     qkv_raw, conv_weight, f, A_log, dt_bias, b_raw = (
@@ -160,8 +202,9 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     if norm_weight is not None:
         out_gate, norm_weight = out_gate.contiguous(), norm_weight.contiguous()
     o = mt.empty(B, H, D, dtype=qkv_raw.dtype, device=state.device)
-    _decode_kernel[(B * H,)](qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, o,
-                             out_gate, norm_weight, scale, float(norm_eps),
-                             H=H, D=D, W=W, WP=triton.next_power_of_2(W - 1),
-                             HAS_NORM=norm_weight is not None, num_warps=8 if D * D >= 8192 else 4)
+    BV = min(D, _BV)
+    _kda_decode_kernel[(B * H, D // BV)](qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, o,
+                                     out_gate, norm_weight, _arrival_counters(state.device, B * H),
+                                     scale, float(norm_eps), H=H, D=D, W=W, WP=triton.next_power_of_2(W - 1),
+                                     BV=BV, HAS_NORM=norm_weight is not None, num_warps=4)
     return o
