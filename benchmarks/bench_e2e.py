@@ -172,6 +172,7 @@ def hf_prefill(hf, ids: torch.Tensor, reps: int, device) -> dict:
     def run():
         out["logits"] = hf(ids, use_cache=True, logits_to_keep=1).logits
 
+    run()  # untimed: fla autotunes its kernels for each new shape, and that must not count as prefill time
     samples = time_calls(run, reps, device)
     return {"samples": samples, "finite": bool(torch.isfinite(out.pop("logits")).all())}
 
@@ -293,7 +294,7 @@ class Plan:
             return (1 + s.recompute_steps) * T / r["prefill"]
         if phase == "decode":
             return T / r["prefill"] + (s.peer_decode_tokens + 1) / r["decode"]
-        return s.peer_prefill_reps * T / r["prefill"]
+        return (1 + s.peer_prefill_reps) * T / r["prefill"]
 
     def skip_reason(self, who: str, phase: str, T: int) -> str | None:
         est = self.seconds(who, phase, T)

@@ -60,7 +60,11 @@ def _git_state() -> dict:
     commit = _git("rev-parse", "--verify", "-q", "HEAD")
     # The records files themselves live in the tree; appending one must not make the next record "dirty".
     status = _git("status", "--porcelain", "--", ".", ":(exclude)records/*.jsonl")
-    return {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
+    state = {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
+    # A copy of the tree run elsewhere (the GPU box) may have no usable git: whoever sent it names the commit.
+    if state["commit"] is None and os.environ.get("KIMI_GIT_COMMIT"):
+        state.update(commit=os.environ["KIMI_GIT_COMMIT"], commit_source="KIMI_GIT_COMMIT")
+    return state
 
 
 def _nvml_gpu() -> tuple[str | None, str | None]:
