@@ -46,7 +46,7 @@ def on_gpu() -> bool:
         return False
 
 
-def plan(preset: str | None, gpu: bool) -> list[Step]:
+def plan(preset: str | None, gpu: bool, out: Path) -> list[Step]:
     py = [sys.executable, "-m"]
     flags = ["--preset", preset] if preset else []
     quick = [] if gpu else ["--quick"]
@@ -54,7 +54,7 @@ def plan(preset: str | None, gpu: bool) -> list[Step]:
              Step("gate-b", py + ["gates", "gate-b"] + flags, gate=True),
              Step("gate-memory", py + ["gates", "gate-memory"] + flags, gate=True),
              Step("bench", py + ["benchmarks.bench_e2e"] + flags + quick),
-             Step("decompose", py + ["benchmarks.decompose"] + flags + quick)]
+             Step("decompose", py + ["benchmarks.decompose", "--trace-dir", str(out / "traces")] + flags + quick)]
     if gpu:
         steps.append(Step("bench-kernels", py + ["benchmarks.bench_kernels"]))
     return steps
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
     if args.records:
         env["KIMI_RECORDS_DIR"] = str(Path(args.records).resolve())
     gpu = on_gpu()
-    steps = [run(s, env) for s in (steps if steps is not None else plan(args.preset, gpu))]
+    steps = [run(s, env) for s in (steps if steps is not None else plan(args.preset, gpu, Path(args.out)))]
 
     loaded = store.load(root=args.records)
     prov = store.provenance()["machine"]

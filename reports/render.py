@@ -76,8 +76,12 @@ def short_id(r: dict) -> str:
 
 
 def commit(r: dict) -> str:
-    sha = str(get(r, "git.commit", "?"))[:7]
-    return sha + ("+dirty" if get(r, "git.dirty") else "")
+    """The commit a record ran at; where git was unusable on the machine, the tree the session sent there
+    (`git.tree_commit`, marked `tree:`)."""
+    sha, dirty = get(r, "git.commit"), get(r, "git.dirty")
+    if sha is None and get(r, "git.tree_commit"):
+        return "tree:" + str(get(r, "git.tree_commit"))[:7] + ("+dirty" if get(r, "git.tree_dirty") else "")
+    return str(sha or "?")[:7] + ("+dirty" if dirty else "")
 
 
 def machine(r: dict) -> str:
