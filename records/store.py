@@ -31,7 +31,9 @@ from pathlib import Path
 import pandas as pd
 
 SCHEMA = 1
-KINDS = frozenset({"gate_a", "gate_b", "memory", "bench", "kernel", "decomposition", "nightly"})
+# `erratum`: records are never edited; a later erratum names an earlier record (params.record) and the fields
+# of it that must not be used (params.fields), with the reason (results.reason). The report honours it.
+KINDS = frozenset({"gate_a", "gate_b", "memory", "bench", "kernel", "decomposition", "nightly", "erratum"})
 VERDICTS = frozenset({"VALID", "INVALID"})
 REQUIRED_FIELDS = ("schema", "id", "time", "kind", "git", "machine", "preset", "dtype", "device", "weights",
                    "params", "results", "verdict", "reasons")

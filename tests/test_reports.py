@@ -185,3 +185,20 @@ def test_page_shows_in_headless_chromium(report, tmp_path):
     assert pixels.shape[:2] == (2000, 1280)
     ours = np.array(matplotlib.colors.to_rgb(render.OURS_COLOR))
     assert np.any(np.all(np.abs(pixels - ours) < 0.02, axis=-1)), "no 'ours' plot line in the screenshot"
+
+
+def test_an_erratum_removes_the_named_fields_from_the_report(tmp_path):
+    """Records are append-only: a later erratum voids fields of an earlier record, and the report honours it."""
+    from records import store
+    root = tmp_path / "rec"
+    bad = store.make_record("bench", preset="p", dtype="bfloat16", device="cuda", weights="w",
+                            params={"phase": "prefill", "context": 8192, "batch": 1, "impl": "ours", "peer": "hf"},
+                            results={"tok_s": 27000.0, "peer": "hf", "peer_tok_s": 1513.0})
+    store.append(bad, root=root)
+    store.append(store.make_record("erratum", preset="p", dtype="bfloat16", device="cuda", weights="w",
+                                   params={"record": bad["id"], "fields": ["results.peer_tok_s"]},
+                                   results={"reason": "peer timing included autotuning"}), root=root)
+    render.render(records_root=root, out=tmp_path / "out")
+    summary = (tmp_path / "out" / "SUMMARY.md").read_text()
+    assert "1,513" not in summary and "peer timing included autotuning" in summary
+    assert "27,000" in summary
