@@ -531,7 +531,7 @@ class Bench:
         if phase == "decode" and self.decoder_note:
             reasons.append(self.decoder_note)
         rec = make_record("bench", preset=s.preset, dtype=s.dtype, device=s.device,
-                          weights=self.loaded.fingerprint, params=params, results=results,
+                          weights=self.loaded.weights, params=params, results=results,
                           verdict="INVALID" if any(o.invalid for o in sides) else "VALID", reasons=reasons)
         append(rec)
         self.records.append(rec)
@@ -630,7 +630,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"budget {s.budget_s:g} s from the start, each peer configuration capped at {s.peer_max_s:g} s")
     loaded = load_model(s.preset, device=s.device, dtype=getattr(torch, s.dtype), seed=s.seed)
     sync(s.device)
-    log(f"weights {loaded.source} {loaded.fingerprint} on {loaded.model.device}")
+    log(f"weights {loaded.source} {loaded.weights} on {loaded.model.device}")
     bench = Bench(s, loaded, plan)
     records = bench.run()
     bad = sum(r["verdict"] != "VALID" for r in records)

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     log(f"decompose: {a.preset} {a.dtype} on {a.device}, context {a.context}, {a.steps} steps, modes {modes}")
     loaded = load_model(a.preset, device=a.device, dtype=getattr(torch, a.dtype), seed=a.seed)
     model, cfg = loaded.model, loaded.cfg
-    log(f"weights {loaded.source} {loaded.fingerprint}")
+    log(f"weights {loaded.source} {loaded.weights}")
     g = torch.Generator().manual_seed(a.seed * 1_000_003 + a.context)
     ids = torch.randint(0, cfg.vocab_size, (1, a.context), generator=g).to(a.device)
     run_id = uuid.uuid4().hex[:12]
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             "events": "gpu kernels, memcpy, memset" if device_type == "cuda"
                             else "leaf cpu operators (no GPU)"})
         rec = make_record("decomposition", preset=a.preset, dtype=a.dtype, device=a.device,
-                          weights=loaded.fingerprint, params=params, results=results,
+                          weights=loaded.weights, params=params, results=results,
                           verdict="INVALID" if problems else "VALID", reasons=notes + problems)
         append(rec)
         records.append(rec)

@@ -2,7 +2,7 @@
 
 A golden is one JSON file per (model, dtype, device kind, source), named `<model>-<dtype>-<device>-<source>.json`
 (`<model>`: the preset, `tiny-seed3` for a non-zero seed, or the checkpoint directory's name). It holds:
-- `weights`: the weights id (`gates.run.weights_id`) it was made from, and `prompts[i].ids`, the prompt ids;
+- `weights`: the weights id (`model.weights.weights_id`) it was made from, and `prompts[i].ids`, the prompt ids;
 - `prompts[i].expected`: the greedy ids, `topk_ids` / `topk_logprobs`: the top-10 at every step;
 - `md5`: md5 of the expected id matrix [prompts, new_tokens] as int32 little-endian bytes
   (`np.asarray(ids, '<i4').tobytes()`), the STRICT check;
@@ -34,10 +34,11 @@ import torch
 
 from model.checkpoint import save_checkpoint
 from model.generate import Generation, generate_recompute
+from model.weights import synthetic_weights, weights_id
 from records.store import provenance
 
 from .prompts import PROMPTS
-from .run import DEFAULT_TOPK, Options, Subject, battery_for, synthetic_state, weights_id
+from .run import DEFAULT_TOPK, Options, Subject, battery_for
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "goldens"
 FORMAT = 1
@@ -148,7 +149,7 @@ def _hf_model(opts: Options, subject: Subject | None):
     else:
         cfg = opts.config
         with tempfile.TemporaryDirectory(prefix="kimi-golden-") as tmp:
-            state = synthetic_state(cfg, opts.seed, "cpu", torch.bfloat16)
+            state = synthetic_weights(cfg, opts.seed, "cpu", torch.bfloat16)
             save_checkpoint(state, cfg, Path(tmp) / "ckpt")
             hf = hf_from_checkpoint(Path(tmp) / "ckpt", dtype=opts.torch_dtype)
     hf.set_experts_implementation("eager")

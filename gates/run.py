@@ -6,37 +6,26 @@ Defaults (the CLI reads no environment variables; the Makefile maps its variable
 - preset (without --model): `tiny` on a CPU; on CUDA `48b-a3b` when the GPU's free memory (NVML) holds its
   projected peak plus the floor, else `tiny` (the reason is printed).
 
-Weights under test. A real checkpoint is bf16 (A_log, dt_bias and the router bias fp32), and a model run in
-fp32 or fp64 upcasts those values exactly. Synthetic weights hold checkpoint values too (model/weights.py:
-drawn in fp32, rounded to the format's dtype), so one set of weights exists per (preset, seed) whatever the
-run's dtype, HF transformers can load exactly it from an original-format checkpoint, and a golden made in fp64 is a
-golden for the fp32 and bf16 runs of the same weights. Small presets are drawn on the CPU and moved, so their
-weights are also the same on every device (CPU and CUDA generators differ); a model over 1 GiB is drawn on
-its device.
-
-`weights_id` names those weights: the fingerprint of the state dict cast to the checkpoint's dtypes. It is
-dtype-independent for checkpoint-valued weights and refuses weights that bf16 cannot hold exactly.
+The model under test comes from `model.build.load_model`; its weights id (`model.weights.weights_id`) is
+the same for any dtype of checkpoint-valued weights, so a golden made in fp64 judges the fp32 and bf16 runs
+of the same weights.
 """
 from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from model.build import from_state_dict
-from model.checkpoint import internal_names, load_checkpoint, storage_dtype
+from model.build import Loaded as Subject, is_small, load_model
 from model.config import KimiConfig, get_config
-from model.model import KimiLinear
-from model.weights import fingerprint, synthetic_weights
 from records import store
 
 from .memory import (FloorDecision, FloorSampler, GiB, MemReading, Projection, check_floor,
-                     param_counts, project_peak, read_device_memory)
+                     project_peak, read_device_memory)
 from .prompts import DEFAULT_NEW_TOKENS, Battery, battery
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -45,7 +34,6 @@ KERNELS = ("auto", "torch", "triton")
 SOURCES = ("hf", "self")
 DEFAULT_FLOOR_GIB = 15.0
 DEFAULT_TOPK = 10
-SMALL_MODEL_BYTES = GiB  # synthetic weights below this (in bf16) are drawn on the CPU, then moved
 
 # Exit codes of every gate command.
 EXIT_PASS, EXIT_FAIL, EXIT_REFUSED = 0, 1, 2
@@ -140,10 +128,6 @@ def _default_preset(device, dtype, new_tokens, floor_gib, reader, log) -> str:
 
 # ---- the model under test ------------------------------------------------------------------------
 
-def is_small(cfg: KimiConfig) -> bool:
-    return param_counts(cfg).total * 2 < SMALL_MODEL_BYTES
-
-
 def limit_cpu_threads(opts: Options) -> None:
     """A small model on a CPU runs on one thread: its ops are too small to split, and intra-op threads that
     spin-wait for a core shared with other processes slow a run down ~10x (measured: Gate A on tiny, 2-core
@@ -152,59 +136,10 @@ def limit_cpu_threads(opts: Options) -> None:
         torch.set_num_threads(1)
 
 
-def synthetic_state(cfg: KimiConfig, seed: int, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The preset's synthetic weights (checkpoint-valued: see model/weights.py) on `device` in `dtype`. Small
-    presets are drawn on the CPU and moved, so they are the same weights on every device (CPU and CUDA
-    generators differ) and the committed CPU goldens also judge GPU runs."""
-    state = synthetic_weights(cfg, seed, "cpu" if is_small(cfg) else device, dtype)
-    return {n: t.to(device) for n, t in state.items()}
-
-
-def weights_id(state, cfg: KimiConfig) -> str:
-    """Fingerprint of `state` in the checkpoint's dtypes; the same for any upcast of the same weights.
-
-    `state` may be ours or HF's (same names; HF's extra buffers are ignored). Weights bf16 cannot hold
-    exactly (e.g. fp32 draws) would collide with their rounding, so they are refused.
-    """
-    kinds = internal_names(cfg)
-    missing = sorted(set(kinds) - set(state))
-    if missing:
-        raise ValueError(f"state dict lacks {len(missing)} tensors of the config, e.g. {missing[:5]}")
-    cast = {}
-    for n, (_, dt) in kinds.items():
-        t = state[n].detach()
-        c = t.to(dt)
-        if c.dtype != t.dtype and not torch.equal(c.to(t.dtype), t):
-            raise ValueError(f"{n} ({t.dtype}) holds values that {dt} cannot represent exactly: not "
-                             f"checkpoint-valued weights, so they have no dtype-independent identity")
-        cast[n] = c
-    return fingerprint(cast)
-
-
-@dataclass
-class Subject:
-    """The model under test and what identifies it."""
-    model: KimiLinear
-    cfg: KimiConfig
-    weights: str        # weights_id
-    source: str         # 'synthetic:<preset>:seed=<n>' or the checkpoint path
-    load_s: float
-
-
 def load_subject(opts: Options) -> Subject:
-    t0 = time.perf_counter()
-    if opts.model:
-        cfg, state = load_checkpoint(opts.model, device=opts.device, dtype=opts.torch_dtype)
-        source = str(Path(opts.model).resolve())
-    else:
-        cfg = get_config(opts.preset)
-        state = synthetic_state(cfg, opts.seed, opts.device, opts.torch_dtype)
-        source = f"synthetic:{opts.preset}:seed={opts.seed}"
-    model = from_state_dict(cfg, state)
-    wid = weights_id(state, cfg)
-    if opts.device == "cuda":
-        torch.cuda.synchronize()
-    return Subject(model, cfg, wid, source, time.perf_counter() - t0)
+    """The model under test, as `model.build.load_model` makes it for these options."""
+    return load_model(opts.preset if opts.model is None else None, opts.model, device=opts.device,
+                      dtype=opts.torch_dtype, seed=opts.seed)
 
 
 def battery_for(opts: Options) -> Battery:

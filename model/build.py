@@ -1,12 +1,18 @@
 """Build a model from an internal state dict, a checkpoint directory, or a preset's synthetic weights."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from .config import KimiConfig, get_config, PRESETS
+from .checkpoint import internal_names, load_checkpoint
+from .config import KimiConfig, get_config
 from .model import KimiLinear
+from .weights import synthetic_weights, weights_id
+
+SMALL_MODEL_BYTES = 1 << 30  # synthetic weights below this (in bf16) are drawn on the CPU, then moved
 
 
 def from_state_dict(cfg: KimiConfig, state: dict[str, torch.Tensor]) -> KimiLinear:
@@ -22,26 +28,40 @@ def from_state_dict(cfg: KimiConfig, state: dict[str, torch.Tensor]) -> KimiLine
     return model.eval().requires_grad_(False)
 
 
+def is_small(cfg: KimiConfig) -> bool:
+    """Under 1 GiB in bf16: drawn on the CPU (and run on one CPU thread by the gates)."""
+    return 2 * sum(torch.Size(shape).numel() for shape, _ in internal_names(cfg).values()) < SMALL_MODEL_BYTES
+
+
 @dataclass
 class Loaded:
     model: KimiLinear
     cfg: KimiConfig
     source: str          # 'synthetic:<preset>:seed=<n>' or the checkpoint path
-    fingerprint: str
+    weights: str         # model.weights.weights_id: the same for any dtype of the same weights
+    load_s: float
 
 
 def load_model(preset: str | None = None, checkpoint: str | None = None, *, device="cpu",
                dtype=torch.float32, seed: int = 0) -> Loaded:
-    """Exactly one of `preset` (synthetic weights) or `checkpoint` (original-format directory)."""
-    from .checkpoint import load_checkpoint
-    from .weights import fingerprint, synthetic_weights
+    """Exactly one of `preset` (synthetic weights) or `checkpoint` (original-format directory).
+
+    Small presets are drawn on the CPU and moved, so they are the same weights on every device (CPU and CUDA
+    generators differ) and the committed CPU goldens also judge GPU runs; larger ones are drawn on the device.
+    """
     if (preset is None) == (checkpoint is None):
         raise ValueError("give exactly one of preset= or checkpoint=")
+    t0 = time.perf_counter()
     if checkpoint is not None:
         cfg, state = load_checkpoint(checkpoint, device=device, dtype=dtype)
-        source = str(checkpoint)
+        source = str(Path(checkpoint).resolve())
     else:
         cfg = get_config(preset)
-        state = synthetic_weights(cfg, seed=seed, device=device, dtype=dtype)
+        state = synthetic_weights(cfg, seed=seed, device="cpu" if is_small(cfg) else device, dtype=dtype)
+        state = {n: t.to(device) for n, t in state.items()}
         source = f"synthetic:{preset}:seed={seed}"
-    return Loaded(from_state_dict(cfg, state), cfg, source, fingerprint(state))
+    model = from_state_dict(cfg, state)
+    wid = weights_id(state, cfg)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return Loaded(model, cfg, source, wid, time.perf_counter() - t0)

@@ -54,19 +54,3 @@ class DecodeCache:
     @property
     def batch(self) -> int:
         return next(iter(vars(self.layers[0]).values())).shape[0]
-
-    def reset(self) -> None:
-        for layer in self.layers:
-            if isinstance(layer, KDAState):
-                layer.state.zero_()
-                layer.taps.zero_()
-        self.length = 0
-        if self.pos is not None:
-            self.pos.zero_()
-
-    def nbytes(self) -> int:
-        total = 0
-        for layer in self.layers:
-            for t in vars(layer).values():
-                total += t.numel() * t.element_size()
-        return total

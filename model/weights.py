@@ -52,7 +52,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .checkpoint import Slot, layout, storage_dtype
+from .checkpoint import Slot, internal_names, layout, storage_dtype
 from .config import KimiConfig
 
 LOGIT_STD = 3.5
@@ -171,3 +171,23 @@ def fingerprint(state_dict: Mapping[str, torch.Tensor]) -> str:
         h.update(torch.cat([p.to(parts[0].device) for p in parts]).cpu().numpy().tobytes())
     return "sha256:" + h.hexdigest()[:16]
 
+
+def weights_id(state, cfg: KimiConfig) -> str:
+    """Fingerprint of `state` in the checkpoint's dtypes; the same for any upcast of the same weights.
+
+    `state` may be ours or HF's (same names; HF's extra buffers are ignored). Weights bf16 cannot hold
+    exactly (e.g. fp32 draws) would collide with their rounding, so they are refused.
+    """
+    kinds = internal_names(cfg)
+    missing = sorted(set(kinds) - set(state))
+    if missing:
+        raise ValueError(f"state dict lacks {len(missing)} tensors of the config, e.g. {missing[:5]}")
+    cast = {}
+    for n, (_, dt) in kinds.items():
+        t = state[n].detach()
+        c = t.to(dt)
+        if c.dtype != t.dtype and not torch.equal(c.to(t.dtype), t):
+            raise ValueError(f"{n} ({t.dtype}) holds values that {dt} cannot represent exactly: not "
+                             f"checkpoint-valued weights, so they have no dtype-independent identity")
+        cast[n] = c
+    return fingerprint(cast)

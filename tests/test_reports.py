@@ -1,6 +1,5 @@
 """reports/render.py on the fixture history (tests/fixtures/records, written by tests/fixtures/make_history.py)."""
 import importlib.util
-import json
 import re
 import shutil
 import subprocess
