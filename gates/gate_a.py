@@ -5,19 +5,33 @@ prompt and step of the battery. Reference: recompute; under test: incremental.
 Besides the score and the diagnosis of each divergence (`gates.compare`), the record keeps, per prompt and
 step, max |logit_recompute - logit_incremental| while both paths still saw the same context: the margin a
 correct carry leaves (~1e-5 in fp32 on tiny), which tells how close any near-tie came.
+
+When the gate ran on the Triton kernels and a prompt diverges, the recompute path is run once more on the
+PyTorch kernels (the control) and the divergence is held against that noise floor (`gates.compare.noise_check`):
+in bf16 on a deep random-weight model two correct implementations can part ways too, and the gate says so
+instead of leaving the reader to find out. The gate's verdict stays token-exact.
 """
 from __future__ import annotations
 
 import time
 from typing import Callable
 
+import torch
+
 from model import ops
 from model.generate import generate_incremental, generate_recompute
 
-from .compare import GateResult, compare_prompt, near_tie_eps
+from .compare import GateResult, compare_prompt, near_tie_eps, noise_check
 from .memory import MemoryFloorError
 from .run import (DEFAULT_TOPK, EXIT_FAIL, EXIT_PASS, GateRefused, Options, Subject, battery_for, context_len,
                   floor_guard, load_subject, record, refused)
+
+
+def control_kernels(opts: Options, device: torch.device) -> str | None:
+    """The kernels of the control run: PyTorch when the gate ran on the Triton kernels, else none (there
+    is no cheap second implementation then, and on the CPU in fp32 the paths agree to ~1e-5 anyway)."""
+    triton = opts.kernels == "triton" or (opts.kernels == "auto" and device.type == "cuda")
+    return "torch" if triton else None
 
 
 def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callable | None = None, reader=None,
@@ -34,7 +48,7 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
         with floor_guard(opts, context_len(b, opts.new_tokens), reader, log) as guard, ops.use(opts.kernels):
             subject = subject or load_subject(opts)
             hook = guard.step_hook()
-            prompts, t_rec, t_inc = [], 0.0, 0.0
+            prompts, t_rec, t_inc, t_ctrl = [], 0.0, 0.0, 0.0
             for i, ids in enumerate(b.ids):
                 t = time.perf_counter()
                 rec = generate_recompute(subject.model, ids, opts.new_tokens, DEFAULT_TOPK, keep_logits=True,
@@ -44,7 +58,17 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
                 inc = generate_incremental(subject.model, ids, opts.new_tokens, DEFAULT_TOPK, keep_logits=True,
                                            step_hook=hook, decode=decode)
                 t_inc += time.perf_counter() - t
-                prompts.append(compare_prompt(i, rec, inc, eps, "recompute", "incremental"))
+                p = compare_prompt(i, rec, inc, eps, "recompute", "incremental")
+                ctrl = control_kernels(opts, subject.model.device)
+                if p.divergence is not None and ctrl is not None:
+                    t = time.perf_counter()
+                    with ops.use(ctrl):
+                        alt = generate_recompute(subject.model, ids, opts.new_tokens, DEFAULT_TOPK,
+                                                 keep_logits=True, step_hook=hook)
+                    name = f"recompute[{ctrl} kernels]"
+                    p.noise = noise_check(p, compare_prompt(i, rec, alt, eps, "recompute", name), name)
+                    t_ctrl += time.perf_counter() - t
+                prompts.append(p)
     except (GateRefused, MemoryFloorError) as e:
         return refused("gate_a", opts, str(e), None if subject is None else subject.weights,
                        records_root=records_root, log=log)
@@ -59,7 +83,7 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
         "max_abs_logit_diff": [p.max_abs_logit_diff for p in prompts],
         "max_abs_logit_diff_overall": max(diffs) if diffs else None,
         "near_tie_eps": eps,
-        "timings": {"load_s": subject.load_s, "recompute_s": t_rec, "incremental_s": t_inc,
+        "timings": {"load_s": subject.load_s, "recompute_s": t_rec, "incremental_s": t_inc, "control_s": t_ctrl,
                     "total_s": time.perf_counter() - t0},
         **guard.results(),
     }

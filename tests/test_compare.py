@@ -4,8 +4,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gates.compare import (NEAR_TIE_EPS, Divergence, GateResult, Margin, Side, compare_prompt, diagnose, margin,
-                           near_tie_eps)
+from gates.compare import (NEAR_TIE_EPS, NOISE_FACTOR, Divergence, GateResult, Margin, Side, compare_prompt,
+                           diagnose, margin, near_tie_eps, noise_check)
 from model.generate import Generation
 
 IDS = [1234, 877, 5, 6, 7, 8, 9, 10, 11, 12]
@@ -127,3 +127,41 @@ def test_gate_result_table_and_summary():
     assert res["diagnoses"][0]["explanation"].startswith("prompt 1 step 1") and isinstance(g.diagnoses[0], Divergence)
     ok = GateResult("Gate A", "rec", "inc", prompts[:1])
     assert ok.passed and ok.summary() == "Gate A PASS 2/2: inc vs rec"
+
+
+def _diverging(first, noise, n=6, prompt=0):
+    """A comparison whose first divergence is at `first` (None: none), with max|dlogit| `noise` at every step
+    both sides shared."""
+    tokens = list(range(3, 3 + n))
+    other = list(tokens) if first is None else tokens[:first] + [99] * (n - first)
+    steps = n if first is None else first + 1
+    return compare_prompt(prompt, _gen(tokens, [torch.zeros(30)] * n),
+                          _gen(other, [torch.full((30,), noise)] * steps + [torch.zeros(30)] * (n - steps)),
+                          0.05, "rec", "x")
+
+
+def test_noise_check_calls_a_divergence_noise_only_when_a_control_strays_as_far():
+    test = _diverging(3, 0.3)
+    # the control itself parts from the reference by the same step: noise
+    assert noise_check(test, _diverging(2, 0.01), "ctrl").within_noise
+    # the control stays on the reference's tokens but its logits stray at least half as far: noise
+    near = noise_check(test, _diverging(None, 0.3 / NOISE_FACTOR), "ctrl")
+    assert near.within_noise and near.test_noise == pytest.approx(0.3) and near.control_first_divergence is None
+    # a wrong computation strays far beyond a control that agrees to rounding: not noise
+    far = noise_check(test, _diverging(None, 1e-3), "ctrl")
+    assert not far.within_noise and "beyond the noise floor" in far.explain()
+    # a control identical to the reference (no noise at all) never excuses anything
+    assert not noise_check(test, _diverging(None, 0.0), "ctrl").within_noise
+    # a control that diverges later than the test does not excuse it either
+    assert not noise_check(test, _diverging(5, 1e-3), "ctrl").within_noise
+    with pytest.raises(ValueError, match="did not diverge"):
+        noise_check(_diverging(None, 0.1), _diverging(None, 0.1), "ctrl")
+
+
+def test_gate_result_reports_the_noise_checks():
+    p = _diverging(3, 0.3)
+    p.noise = noise_check(p, _diverging(2, 0.01), "rec[torch kernels]")
+    g = GateResult("Gate A", "rec", "x", [p])
+    assert g.summary() == "Gate A FAIL 3/6: x vs rec (1 real; 1 of 1 within the noise floor of rec[torch kernels])"
+    assert "prompt 0: control rec[torch kernels] diverges from the reference at step 2" in g.table()
+    assert g.results()["per_prompt"][0]["noise"]["within_noise"] is True

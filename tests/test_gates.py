@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from gates.__main__ import main
+from gates import gate_a
 from gates.gate_a import run_gate_a
 from gates.gate_b import run_gate_b
 from gates.gate_memory import run_memory_gate
@@ -89,7 +90,8 @@ def test_cli_gate_a_passes_on_tiny(tmp_path, subject):
     assert [len(d) for d in res["max_abs_logit_diff"]] == [16] * 8
     # the two paths agree to rounding, far inside the near-tie epsilon
     assert 0 < res["max_abs_logit_diff_overall"] < 1e-4 == res["near_tie_eps"]
-    assert set(res["timings"]) == {"load_s", "recompute_s", "incremental_s", "total_s"}
+    assert set(res["timings"]) == {"load_s", "recompute_s", "incremental_s", "control_s", "total_s"}
+    assert res["timings"]["control_s"] == 0  # nothing diverged: no control run
     assert (rec["kind"], rec["dtype"], rec["device"], rec["weights"]) == ("gate_a", "float32", "cpu", subject.weights)
     assert rec["verdict"] == "VALID" and rec["params"]["new_tokens"] == 16
 
@@ -124,6 +126,18 @@ def test_gate_a_catches_a_broken_state_carry(tmp_path, opts, subject, broken, ca
         # step 0 comes from the prefill, which the broken decode never touches
         assert d["verdict"] == "real" and d["step"] >= 1, d["explanation"]
     assert "Gate A FAIL" in capsys.readouterr().out
+
+
+def test_gate_a_noise_control_does_not_excuse_a_broken_carry(tmp_path, opts, subject, monkeypatch):
+    """The control wiring end to end: with the PyTorch kernels as the control (the same kernels here, so the
+    control matches the reference exactly), a dropped state carry stays beyond the noise floor."""
+    monkeypatch.setattr(gate_a, "control_kernels", lambda opts, device: "torch")
+    assert run_gate_a(opts, subject=subject, decode=dropped_state_carry(subject.model),
+                      records_root=tmp_path) == EXIT_FAIL
+    res = only_record(tmp_path, "gate_a")["results"]
+    noise = [p["noise"] for p in res["per_prompt"]]
+    assert len(noise) == 8 and all(not n["within_noise"] and n["control_first_divergence"] is None for n in noise)
+    assert res["timings"]["control_s"] > 0
 
 
 def test_gate_a_refuses_under_the_memory_floor(tmp_path, opts):

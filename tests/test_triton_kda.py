@@ -286,10 +286,13 @@ def test_decode_batch_64():
 # ---- norms --------------------------------------------------------------------------------------
 
 def assert_within_ulps(y, ref):
-    """Equal to within one unit in the last place of ref on the GPU. The interpreter truncates
-    fp32 -> bf16 where CUDA rounds to nearest; rmsnorm casts twice, the first time in a binade
-    the weight may leave, so there up to four units."""
-    ulps = 1 if torch.cuda.is_available() else 4
+    """Equal to within two units in the last place of ref on the GPU. rmsnorm rounds twice: h =
+    bf16(x * rsqrt(var)), then bf16(weight * h). Our fp32 variance is summed in another order than
+    torch's, so when x * rsqrt(var) lies within an fp32 ulp of a bf16 rounding midpoint, h lands one
+    bf16 unit away, and weight * h (|weight| up to ~1.3 here) moves up to two units of the result (seen on
+    the H200: 1 element in 9.4M). The interpreter truncates fp32 -> bf16 where CUDA rounds to nearest, so
+    there up to four units. The callers also bound how many elements may differ at all."""
+    ulps = 2 if torch.cuda.is_available() else 4
     assert y.dtype == ref.dtype and torch.isfinite(y).all()
     eps = torch.finfo(ref.dtype).eps
     y, ref = y.double(), ref.double()
@@ -573,15 +576,15 @@ def test_gpu_norms_are_exact_in_bf16():
     ref = hf_norm(KimiLinearRMSNorm, 2304, w)(x)
     y = rmsnorm(x, w, 1e-5)
     assert_within_ulps(y, ref)
-    assert (y == ref).float().mean() > 0.99
+    assert (y == ref).float().mean() > 0.999
     y_add, new_res = add_rmsnorm(x, res, w, 1e-5)
     assert torch.equal(new_res, x + res)
     ref_add = hf_norm(KimiLinearRMSNorm, 2304, w)(x + res)
     assert_within_ulps(y_add, ref_add)
-    assert (y_add == ref_add).float().mean() > 0.99
+    assert (y_add == ref_add).float().mean() > 0.999
     o, gate = (torch.randn(4096, 32, 128, generator=gen).bfloat16().cuda() for _ in range(2))
     wg = torch.randn(128, generator=gen).cuda()
     ref = hf_norm(KimiLinearRMSNormGated, 128, wg)(o, gate)
     y = gated_rmsnorm(o, gate, wg, 1e-5)
     assert_within_ulps(y, ref)
-    assert (y == ref).float().mean() > 0.99
+    assert (y == ref).float().mean() > 0.999

@@ -14,6 +14,7 @@ import model.triton as mt
 
 
 _BV = 32  # state columns per program
+_NUM_WARPS = 4
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -206,5 +207,5 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     _kda_decode_kernel[(B * H, D // BV)](qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, o,
                                      out_gate, norm_weight, _arrival_counters(state.device, B * H),
                                      scale, float(norm_eps), H=H, D=D, W=W, WP=triton.next_power_of_2(W - 1),
-                                     BV=BV, HAS_NORM=norm_weight is not None, num_warps=4)
+                                     BV=BV, HAS_NORM=norm_weight is not None, num_warps=_NUM_WARPS)
     return o
