@@ -205,18 +205,29 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def _ffn(self, x, a):
-        """h = x + a; out = h + mlp(rmsnorm(h)), with the residual add fused into the norm."""
+    def _norm_in(self, x, residual):
+        """(input_layernorm(h), h) with h = residual + x: the previous layer's closing residual add is fused
+        into this norm (one kernel instead of two, the same bits). The first layer gets the embeddings as x
+        and no residual."""
+        norm = self.input_layernorm
+        if residual is None:
+            return norm(x), x
+        return ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
+
+    def _ffn(self, a, residual):
+        """h = residual + a; returns (mlp(rmsnorm(h)), h), the add fused into the norm."""
         post = self.post_attention_layernorm
-        normed, h = ops.add_rmsnorm(a, x, post.weight, post.eps)
-        return h + self.mlp(normed)
+        normed, h = ops.add_rmsnorm(a, residual, post.weight, post.eps)
+        return self.mlp(normed), h
 
-    def forward(self, x, cache_layer=None, start: int = 0):
-        a = self.input_layernorm(x)
+    def forward(self, x, residual=None, cache_layer=None, start: int = 0):
+        """A span of tokens. Returns (delta, residual): the layer's output is residual + delta, an add left
+        to the next layer's input norm (or the final norm)."""
+        a, residual = self._norm_in(x, residual)
         a = self.self_attn(a, cache_layer) if self.kind == "kda" else self.self_attn(a, cache_layer, start)
-        return self._ffn(x, a)
+        return self._ffn(a, residual)
 
-    def decode(self, x, cache_layer, pos):
-        a = self.input_layernorm(x)
+    def decode(self, x, residual, cache_layer, pos):
+        a, residual = self._norm_in(x, residual)
         a = self.self_attn.decode(a, cache_layer) if self.kind == "kda" else self.self_attn.decode(a, cache_layer, pos)
-        return self._ffn(x, a)
+        return self._ffn(a, residual)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import ops
 from .cache import DecodeCache
 from .config import KimiConfig
 from .layers import DecoderLayer, RMSNorm
@@ -52,17 +53,20 @@ class KimiLinear(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> DecodeCache:
         return DecodeCache.empty(self.cfg, batch, max_len, self.dtype, self.device)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(h)).float()
+    def _logits(self, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The final norm of residual + delta (the last layer's add fused into it), then lm_head."""
+        norm = self.model.norm
+        h, _ = ops.add_rmsnorm(delta, residual, norm.weight, norm.eps)
+        return self.lm_head(h).float()
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """ids [B, T] -> logits [B, T, V] fp32 (or [B, V] with last_only), no state carried."""
         self.check_ids(ids)
-        h = self.model.embed_tokens(ids)
+        h, res = self.model.embed_tokens(ids), None
         for layer in self.model.layers:
-            h = layer(h)
-        return self._logits(h[:, -1] if last_only else h)
+            h, res = layer(h, res)
+        return self._logits(h[:, -1], res[:, -1]) if last_only else self._logits(h, res)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, cache: DecodeCache, last_only: bool = True) -> torch.Tensor:
@@ -71,12 +75,12 @@ class KimiLinear(nn.Module):
         start, T = cache.length, ids.shape[1]
         if start + T > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} positions; {start} used, {T} more asked")
-        h = self.model.embed_tokens(ids)
+        h, res = self.model.embed_tokens(ids), None
         for layer, cl in zip(self.model.layers, cache.layers):
-            h = layer(h, cl, start)
+            h, res = layer(h, res, cl, start)
         cache.length += T
         cache.pos.fill_(cache.length)
-        return self._logits(h[:, -1] if last_only else h)
+        return self._logits(h[:, -1], res[:, -1]) if last_only else self._logits(h, res)
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
@@ -84,9 +88,9 @@ class KimiLinear(nn.Module):
         device, so the step can be captured in a CUDA graph; `cache.length` is the host's copy of it."""
         if cache.length >= cache.max_len:
             raise ValueError(f"decode cache is full ({cache.max_len} positions)")
-        h = self.model.embed_tokens(tokens)
+        h, res = self.model.embed_tokens(tokens), None
         for layer, cl in zip(self.model.layers, cache.layers):
-            h = layer.decode(h, cl, cache.pos)
+            h, res = layer.decode(h, res, cl, cache.pos)
         cache.pos += 1
         cache.length += 1
-        return self._logits(h)
+        return self._logits(h, res)
