@@ -164,8 +164,9 @@ def project_peak(cfg: KimiConfig, dtype, batch: int, context: int, prefill_chunk
     A, E, I, k = cfg.num_attention_heads, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_token
     residual = 3 * n * D * f32  # residual, normed input and block output (fp32 to stay an upper bound)
     stages = {
-        # projections, conv+SiLU outputs, fp32 q/k/g/output, intra-chunk [chunk, chunk] matrices (two per head)
-        "kda": n * (6 * hd * s + 4 * hd * f32 + 2 * H * KDA_CHUNK * f32),
+        # packed projections (q|k|v, then f and the output gate: all live through the layer), conv+SiLU outputs,
+        # fp32 q/k/g/output, intra-chunk [chunk, chunk] matrices (two per head)
+        "kda": n * (8 * hd * s + 4 * hd * f32 + 2 * H * KDA_CHUNK * f32),
         # q and output for the new tokens; keys and values up-projected from the latent for the whole context
         "mla": n * A * (cfg.qk_head_dim + cfg.v_head_dim) * s
                + batch * context * A * (cfg.qk_nope_head_dim + cfg.qk_head_dim + cfg.v_head_dim) * s,

@@ -9,6 +9,7 @@ import torch
 
 from .checkpoint import internal_names, load_checkpoint
 from .config import KimiConfig, get_config
+from .layers import KimiDeltaAttention
 from .model import KimiLinear
 from .weights import synthetic_weights, weights_id
 
@@ -16,7 +17,14 @@ SMALL_MODEL_BYTES = 1 << 30  # synthetic weights below this (in bf16) are drawn 
 
 
 def from_state_dict(cfg: KimiConfig, state: dict[str, torch.Tensor]) -> KimiLinear:
-    """Wrap the given tensors without copying them (modules are built on the meta device, then assigned)."""
+    """Wrap the given tensors (modules are built on the meta device, then assigned).
+
+    Every tensor is used as it is, not copied, except the KDA projections that `KimiDeltaAttention.pack_`
+    packs (q/k/v, f_a/f_b, g_a/g_b, b_proj): those are copied into packed buffers, so the model does not see
+    later writes to the caller's tensors of those names, and they cost memory (~1.2 GB for the 48B model in
+    bf16) until the caller drops them. `model.state_dict()` gives the model's own tensors (views of the packed
+    buffers), with the same names, shapes and values.
+    """
     with torch.device("meta"):
         model = KimiLinear(cfg)
     expected = set(model.state_dict())
@@ -25,6 +33,9 @@ def from_state_dict(cfg: KimiConfig, state: dict[str, torch.Tensor]) -> KimiLine
         raise ValueError(f"state dict does not fit the config: missing {missing[:10]} ({len(missing)}), "
                          f"unexpected {extra[:10]} ({len(extra)})")
     model.load_state_dict(state, assign=True, strict=True)
+    for m in model.modules():
+        if isinstance(m, KimiDeltaAttention):
+            m.pack_()
     return model.eval().requires_grad_(False)
 
 
@@ -61,7 +72,9 @@ def load_model(preset: str | None = None, checkpoint: str | None = None, *, devi
         state = {n: t.to(device) for n, t in state.items()}
         source = f"synthetic:{preset}:seed={seed}"
     model = from_state_dict(cfg, state)
-    wid = weights_id(state, cfg)
+    del state  # its KDA projections were copied into packed buffers: let them go
+    wid = weights_id(model.state_dict(), cfg)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # NVML (the memory floor) sees the freed copies as used while they stay cached
     return Loaded(model, cfg, source, wid, time.perf_counter() - t0)

@@ -30,6 +30,8 @@ class RMSNorm(nn.Module):
 
 
 class ForgetGate(nn.Module):
+    """Decay-gate parameters; KimiDeltaAttention runs f_a/f_b with its other projections (see its `pack_`)."""
+
     def __init__(self, cfg: KimiConfig):
         super().__init__()
         d, n = cfg.kda_head_dim, cfg.kda_num_heads
@@ -38,12 +40,10 @@ class ForgetGate(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(n * d))
         self.A_log = nn.Parameter(torch.zeros(1, 1, n, 1))
 
-    def pre_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """f_b(f_a(x)): the input of the softplus gate, before dt_bias."""
-        return self.f_b_proj(self.f_a_proj(x))
-
 
 class KimiDeltaAttention(nn.Module):
+    """Inference only: the forward reads the packed weights (`pack_`), so no gradient reaches the nn.Linears."""
+
     def __init__(self, cfg: KimiConfig):
         super().__init__()
         D, d, n, W = cfg.hidden_size, cfg.kda_head_dim, cfg.kda_num_heads, cfg.conv_kernel_size
@@ -59,35 +59,63 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(d, n * d, bias=False)
         self.o_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(n * d, D, bias=False)
+        self.pack_()
 
-    def _qkv(self, x):
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+    @torch.no_grad()
+    def pack_(self) -> None:
+        """Copy the weights of q|k|v|f_a|g_a|b_proj into one [3*n*d + 2*d + n, D] tensor (`in_proj_weight`) and
+        those of f_b|g_b_proj into one [2, n*d, d] (`gate_b_weight`), and re-point each nn.Linear's weight to
+        its view of them.
 
-    def _out(self, x, o):
-        """Gated output norm and projection; o [..., H, d] in x's dtype."""
-        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
-        o = ops.gated_rmsnorm(o, gate, self.o_norm.weight, self.eps)
-        return self.o_proj(o.flatten(-2))
+        Why: at batch-1 decode each of these eight projections is a small, latency-bound GEMV; packed they are
+        two launches, one GEMV and one batched GEMV. Parameter names, shapes and values stay as they were, so
+        `state_dict()` (checkpoints, fingerprints, the HF peer, which wraps our tensors) sees no difference.
+        Call it again after assigning weights (`model.build.from_state_dict` does): the forward reads only the
+        packed tensors, and the weights assigned before are copied, not kept.
+        """
+        fg = self.forget_gate
+        ins = (self.q_proj, self.k_proj, self.v_proj, fg.f_a_proj, self.g_a_proj, self.b_proj)
+        outs = (fg.f_b_proj, self.g_b_proj)
+        dtypes = {m.weight.dtype for m in ins + outs}
+        if len(dtypes) > 1:
+            raise TypeError(f"KDA projection weights must share one dtype to be packed, got {sorted(map(str, dtypes))}")
+        self.register_buffer("in_proj_weight", torch.cat([m.weight for m in ins]), persistent=False)
+        self.register_buffer("gate_b_weight", torch.stack([m.weight for m in outs]), persistent=False)
+        for m, w in zip(ins, self.in_proj_weight.split([m.out_features for m in ins])):
+            m.weight = nn.Parameter(w, requires_grad=False)
+        for m, w in zip(outs, self.gate_b_weight):
+            m.weight = nn.Parameter(w, requires_grad=False)
+
+    def _project(self, x):
+        """x [..., D] -> (q|k|v before the conv, f_b(f_a(x)), g_b(g_a(x)), b_proj(x)) in two launches: the six
+        input projections as one GEMM, then f_b and g_b as one batched GEMM on the f_a|g_a columns (a view)."""
+        nd, d = self.num_heads * self.head_dim, self.head_dim
+        qkv, fg_a, b = F.linear(x, self.in_proj_weight).split([3 * nd, 2 * d, self.num_heads], dim=-1)
+        f, gate = torch.bmm(fg_a.reshape(-1, 2, d).transpose(0, 1), self.gate_b_weight.transpose(1, 2))
+        return qkv, f.view(*x.shape[:-1], nd), gate.view(*x.shape[:-1], nd), b
 
     def forward(self, x: torch.Tensor, cache: KDAState | None = None) -> torch.Tensor:
         """A span of tokens [B, T, D]: chunked form from the carried state (zeros without a cache)."""
         fg = self.forget_gate
-        qkv, taps = ops.causal_conv1d(self._qkv(x), self.conv1d.weight[:, 0], None if cache is None else cache.taps)
+        qkv, f, gate, b = self._project(x)
+        qkv, taps = ops.causal_conv1d(qkv, self.conv1d.weight[:, 0], None if cache is None else cache.taps)
         q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in qkv.chunk(3, dim=-1))
-        g = ops.kda_gate(fg.pre_gate(x), fg.A_log, fg.dt_bias, self.head_dim)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        g = ops.kda_gate(f, fg.A_log, fg.dt_bias, self.head_dim)
+        beta = torch.sigmoid(b.float())
         o, state = ops.chunk_kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state)
         if cache is not None:
             cache.state.copy_(state)
             cache.taps.copy_(taps)
-        return self._out(x, o.to(x.dtype))
+        gate = gate.unflatten(-1, (self.num_heads, self.head_dim))
+        o = ops.gated_rmsnorm(o.to(x.dtype), gate, self.o_norm.weight, self.eps)
+        return self.o_proj(o.flatten(-2))
 
     def decode(self, x: torch.Tensor, cache: KDAState) -> torch.Tensor:
         """One token per sequence, x [B, D]; updates the recurrent state and conv taps in place."""
         fg = self.forget_gate
-        o = ops.kda_decode_step(self._qkv(x), cache.taps, self.conv1d.weight[:, 0], fg.pre_gate(x), fg.A_log,
-                                fg.dt_bias, self.b_proj(x), cache.state, self.g_b_proj(self.g_a_proj(x)),
-                                self.o_norm.weight, self.eps)
+        qkv, f, gate, b = self._project(x)
+        o = ops.kda_decode_step(qkv, cache.taps, self.conv1d.weight[:, 0], f, fg.A_log, fg.dt_bias, b, cache.state,
+                                gate, self.o_norm.weight, self.eps)
         return self.o_proj(o.flatten(-2))
 
 

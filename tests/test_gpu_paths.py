@@ -4,7 +4,10 @@ fp32: the CUDA-graph incremental path must equal a fresh recompute (relative err
 kernel bug shows as O(1)). bf16: decode and recompute legitimately round differently, so the test holds the
 decode path's deviation against a noise floor measured on the same model: the same prefix prefilled in two
 chunks instead of one (same kernels, other GEMM shapes). The decode path may not add more than that.
+Packed KDA projections: equal to the separate nn.Linears they replace (fp32), in fewer launches.
 """
+import functools
+
 import pytest
 import torch
 
@@ -54,3 +57,47 @@ def test_bf16_decode_adds_no_more_error_than_a_change_of_gemm_shape():
     floor, err = rel_err(chunked, ref), rel_err(decoded, ref)
     print(f"bf16 last-token logits vs recompute: chunked prefill {floor:.2e}, decode step {err:.2e}")
     assert err < max(3 * floor, 1e-3), (err, floor)
+
+
+def cuda_kernels(fn) -> int:
+    """How many kernels (and memcpy/memset) `fn` puts on the GPU, counted by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+
+
+def test_packed_kda_projections_fp32_real_shapes():
+    """The packed KDA projections (one GEMV and one batched GEMV per layer, tests/test_kda_pack.py) against the
+    separate nn.Linears they replace, fp32 at real shapes: the packed graph decode equals the unpacked one and a
+    fresh recompute, and an eager decode step launches at least 6 fewer kernels per KDA layer."""
+    from tests.test_kda_pack import unpacked
+
+    m = model(torch.float32)
+    prompt = PROMPTS[0]
+    with ops.use("auto"):
+        inc = generate_incremental(m, prompt, 8, keep_logits=True)
+        rec = generate_recompute(m, prompt, 8, keep_logits=True)
+        with unpacked():
+            ref = generate_incremental(m, prompt, 8, keep_logits=True)
+        assert inc.decoder == ref.decoder == "GraphDecoder"
+        assert inc.tokens == rec.tokens == ref.tokens
+        errs = [(rel_err(a, b), rel_err(a, c)) for a, b, c in zip(inc.logits, ref.logits, rec.logits)]
+        assert max(max(e) for e in errs) < 1e-4, errs
+
+        ids = torch.tensor([prompt], device="cuda")
+        counts = {}
+        for name, ctx in (("packed", torch.no_grad()), ("unpacked", unpacked())):
+            with ctx:
+                cache = m.new_cache(1, len(prompt) + 4)
+                m.prefill(ids, cache)
+                tok = ids[:, -1]
+                m.decode_step(tok, cache)                                  # warm-up: Triton compile, cuBLAS setup
+                counts[name] = cuda_kernels(functools.partial(m.decode_step, tok, cache))
+        n_kda = len(CFG.kda_layer_ids)
+        print(f"kernels per decode step: {counts} ({n_kda} KDA layers)")
+        assert counts["packed"] <= counts["unpacked"] - 6 * n_kda, counts
+    del m
+    torch.cuda.empty_cache()
