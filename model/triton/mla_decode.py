@@ -1,5 +1,5 @@
 """MLA decode over the latent cache ("flash-decoding"), and the absorbed up-projections around it: the fast
-twins of `model.ops.mla_decode_attention_torch` and `model.ops.mla_absorb_torch`. Forward only, fp32 math.
+twins of `model.ops.mla_decode_attention_torch` and of the torch form in `model.ops.mla_absorb`. Forward only, fp32 math.
 
 `mla_decode`: one query per head and sequence against cache positions 0..pos (pos a device scalar). The
 positions are cut into fixed-length splits, one program per (sequence, split), all heads at once (the cache
@@ -68,8 +68,8 @@ def _mla_decode_split_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_pa
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([HP, RP], tl.float32)
-    # a constant trip count (pipelined; a bound computed from pos would not run under the interpreter):
-    # blocks past `end` are fully masked, so they cost no memory traffic, and only the split holding pos has any
+    # a constant trip count (a bound computed from pos would not run under the interpreter): blocks past
+    # `end` are fully masked, so they cost no memory traffic, and only the split holding pos has any
     for l0 in range(0, SPLIT, BL):
         offs = start + l0 + tl.arange(0, BL)
         valid = offs < end
