@@ -129,7 +129,7 @@ def test_gpu_decode_real_shapes(B, L, where, dtype):
     q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], L + B, sharp=3.0)
     p = torch.tensor(pos, device="cuda")
     o = mla_decode(q_lat, q_pe, c, k_pe, p, scale)
-    check(o, fp64_reference(q_lat, q_pe, c, k_pe, p, scale), 2e-5, f"B={B} L={L} pos={pos}")
+    check(o, fp64_reference(q_lat, q_pe, c, k_pe, p, scale), 4e-5, f"B={B} L={L} pos={pos}")
 
 
 @pytest.mark.gpu
