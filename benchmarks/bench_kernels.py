@@ -1,6 +1,7 @@
-"""KDA kernel speed: our Triton kernels against fla-core 0.6.0 on the same inputs, in one process.
+"""Kernel speed: our Triton kernels against a peer on the same inputs, in one process.
 
-    python -m benchmarks.bench_kernels [--chunk-T 1024,8192,32768] [--decode-B 1,8,64] [--rep-ms 200]
+    python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode] [--chunk-T 1024,8192,32768]
+        [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--rep-ms 200]
 
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
 FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=32 heads, head dim 128, bf16.
@@ -9,6 +10,11 @@ FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=
 - decode step, one token per sequence: our whole step in one launch (conv-tap update, conv + SiLU, gate,
   beta, L2 norm, state update, output, gated output RMSNorm) vs fla's `fused_recurrent_kda` call alone (given
   the post-conv q/k/v, the gate and beta, L2 norm in its kernel). The issue's target compares exactly these.
+- MLA decode attention over the latent cache (batch 1, 32 heads, rank 512 + 64, bf16 cache filled to T
+  positions, the query at T-1): our split-K `mla_decode` (fp32 scores, reads positions 0..pos) vs the
+  previous torch-einsum form (bf16 score and p@c einsums over the whole buffer, masked): peer "torch-einsum".
+  Ours is also held against the fp32 torch reference (`rel_err_vs_fp32_ref`, must be <= 1e-4); `gbps` is
+  the cache bytes read per call over ours' time.
 Times are medians of `triton.testing.do_bench` (L2 flushed before each call, CUDA events: GPU time, as under
 the model's CUDA graph); decode shapes also record back-to-back eager times (host launch cost included).
 Outputs are compared in the same run (relative RMS error, fla as the reference). One `kernel` record per shape;
@@ -30,7 +36,11 @@ DTYPE = torch.bfloat16
 PEER = "fla-0.6.0"
 PEER_TOL = 2e-2  # bf16 outputs of two fp32-accumulating implementations of the same math
 # the issue's targets: (op, param, value, ours must be <= or < the peer's time)
-TARGETS = (("chunk_kda", "T", 8192, "<="), ("kda_decode_step", "B", 1, "<"), ("kda_decode_step", "B", 64, "<"))
+TARGETS = (("chunk_kda", "T", 8192, "<="), ("kda_decode_step", "B", 1, "<"), ("kda_decode_step", "B", 64, "<"),
+           ("mla_decode", "T", 131072, "<"))
+MLA_H, MLA_R, MLA_P = 32, 512, 64
+MLA_PEER = "torch-einsum"
+MLA_PEER_TOL = 5e-2  # the peer rounds scores and p to bf16: ~1e-2 from the fp32 result on these inputs
 
 
 def rel_err(x, ref) -> float:
@@ -157,29 +167,71 @@ def decode_case(B: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
     return res, reasons
 
 
+def einsum_mla_decode(q_lat, q_pe, c, k_pe, pos, scale):
+    """The model's MLA decode attention before the split-K kernel: bf16 einsums over the whole buffer."""
+    s = torch.einsum("bhr,blr->bhl", q_lat.to(c.dtype), c).float() + torch.einsum("bhp,blp->bhl", q_pe, k_pe).float()
+    valid = torch.arange(c.shape[1], device=c.device) <= pos
+    p = torch.softmax((s * scale).masked_fill(~valid, float("-inf")), dim=-1)
+    return torch.einsum("bhl,blr->bhr", p.to(c.dtype), c).float()
+
+
+def mla_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
+    from model import ops
+    from model.triton.mla_decode import mla_decode
+    gen = torch.Generator().manual_seed(T)
+    q_lat = 3 * torch.randn(1, MLA_H, MLA_R, generator=gen).cuda()
+    q_pe = (3 * torch.randn(1, MLA_H, MLA_P, generator=gen)).cuda().to(DTYPE)
+    c = torch.randn(1, T, MLA_R, generator=gen).cuda().to(DTYPE)
+    k_pe = torch.randn(1, T, MLA_P, generator=gen).cuda().to(DTYPE)
+    pos, scale = torch.tensor(T - 1, device=c.device), 192 ** -0.5
+
+    def ours():
+        return mla_decode(q_lat, q_pe, c, k_pe, pos, scale)
+
+    o = ours()
+    res, reasons = {"ours_ms": gpu_ms(ours, rep_ms)}, []
+    res["gbps"] = (c.numel() + k_pe.numel()) * c.element_size() / res["ours_ms"] / 1e6
+    res["rel_err_vs_fp32_ref"] = rel_err(o, ops.mla_decode_attention_torch(q_lat, q_pe, c, k_pe, pos, scale))
+    if not torch.isfinite(o).all():
+        reasons.append("ours produced non-finite values")
+    if not res["rel_err_vs_fp32_ref"] <= 1e-4:
+        reasons.append(f"ours differs from the fp32 torch reference: {res['rel_err_vs_fp32_ref']:.3g} > 1e-4")
+    time_peer(lambda: einsum_mla_decode(q_lat, q_pe, c, k_pe, pos, scale),
+              lambda out: {"rel_err_vs_peer": rel_err(o, out)}, res, reasons, rep_ms)
+    return res, reasons
+
+
 def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int) -> dict:
     from records import store
     params = {"op": op, "B": B, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
     if op == "kda_decode_step":
         params.update(ours_scope="conv-tap update through gated output norm, one launch",
                       peer_scope="fused_recurrent_kda call alone")
+    if op == "mla_decode":
+        params.update(H=MLA_H, d=MLA_R + MLA_P, ours_scope="split-K kernel + combine, positions 0..T-1 read",
+                      peer_scope="bf16 einsums + softmax over the whole T-position buffer")
     log(f"{op} B={B} T={T} ...")
     try:
-        fn = chunk_case if op == "chunk_kda" else decode_case
-        results, reasons = fn(T if op == "chunk_kda" else B, peer, rep_ms)
+        if op == "mla_decode":
+            results, reasons = mla_case(T, rep_ms)
+        else:
+            fn = chunk_case if op == "chunk_kda" else decode_case
+            results, reasons = fn(T if op == "chunk_kda" else B, peer, rep_ms)
     except Exception as e:  # one failing shape must not end the run
         traceback.print_exc()
         results, reasons = {}, [f"{op} failed: {type(e).__name__}: {e}"]
-    results["peer"] = PEER
-    if peer is not None:
-        results["peer_version"] = peer[2]
-    if peer_missing:
-        reasons.append(peer_missing)
+    results["peer"] = MLA_PEER if op == "mla_decode" else PEER
+    if op != "mla_decode":
+        if peer is not None:
+            results["peer_version"] = peer[2]
+        if peer_missing:
+            reasons.append(peer_missing)
     if "peer_ms" in results:
         results["speedup"] = results["peer_ms"] / results["ours_ms"]
-        if not results["rel_err_vs_peer"] <= PEER_TOL:
-            reasons.append(f"ours differs from {PEER}: relative RMS error {results['rel_err_vs_peer']:.3g} "
-                           f"> {PEER_TOL}")
+        tol = MLA_PEER_TOL if op == "mla_decode" else PEER_TOL
+        if not results["rel_err_vs_peer"] <= tol:
+            reasons.append(f"ours differs from {results['peer']}: relative RMS error {results['rel_err_vs_peer']:.3g} "
+                           f"> {tol}")
     elif not reasons:
         reasons.append("no peer time")
     rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=torch.cuda.get_device_name(),
@@ -199,7 +251,7 @@ def summarize(recs: list[dict]) -> None:
     for r in recs:
         p, x = r["params"], r["results"]
         ours, theirs = x.get("ours_ms"), x.get("peer_ms")
-        line = f"  {p['op']:16s} B={p['B']:<3d} T={p['T']:<6d} ours={_ms(ours)}  {PEER}={_ms(theirs)}"
+        line = f"  {p['op']:16s} B={p['B']:<3d} T={p['T']:<6d} ours={_ms(ours)}  {x.get('peer')}={_ms(theirs)}"
         if "speedup" in x:
             line += f"  speedup={x['speedup']:.2f}x  rel_err={x['rel_err_vs_peer']:.2e}"
         log(line + f"  {r['verdict']}")
@@ -208,22 +260,30 @@ def summarize(recs: list[dict]) -> None:
                   if r["params"]["op"] == op and r["params"][key] == n and "speedup" in r["results"]), None)
         if x is not None:
             met = x["ours_ms"] <= x["peer_ms"] if cmp == "<=" else x["ours_ms"] < x["peer_ms"]
-            log(f"  target {op} {key}={n}: ours {cmp} {PEER}: {'MET' if met else 'MISSED'}")
+            log(f"  target {op} {key}={n}: ours {cmp} {x['peer']}: {'MET' if met else 'MISSED'}")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode")
     ap.add_argument("--chunk-T", default="1024,8192,32768")
     ap.add_argument("--decode-B", default="1,8,64")
+    ap.add_argument("--mla-T", default="1024,32768,131072", help="mla_decode contexts (batch 1)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
-    peer, peer_missing = load_fla()
-    log(f"peer: {f'fla {peer[2]}' if peer else peer_missing}")
-    recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms) for T in args.chunk_T.split(",") if T]
+    ops = args.ops.split(",")
+    peer, peer_missing = None, None
+    if {"chunk_kda", "kda_decode_step"} & set(ops):
+        peer, peer_missing = load_fla()
+        log(f"peer: {f'fla {peer[2]}' if peer else peer_missing}")
+    recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms)
+            for T in args.chunk_T.split(",") if T and "chunk_kda" in ops]
     recs += [run_case("kda_decode_step", int(B), 1, peer, peer_missing, args.rep_ms)
-             for B in args.decode_B.split(",") if B]
+             for B in args.decode_B.split(",") if B and "kda_decode_step" in ops]
+    recs += [run_case("mla_decode", 1, int(T), None, None, args.rep_ms)
+             for T in args.mla_T.split(",") if T and "mla_decode" in ops]
     summarize(recs)
 
 

@@ -168,9 +168,10 @@ class MultiLatentAttention(nn.Module):
         cache.k_pe.index_copy_(1, pos.view(1), k_pe[:, None])
         w = self.kv_b_proj.weight.view(self.H, self.dn + self.dv, self.R)
         w_uk, w_uv = w[:, :self.dn], w[:, self.dn:]
-        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
-        o_lat = ops.mla_decode_attention(q_lat, q_pe, cache.c, cache.k_pe, pos, self.scale)   # [B,H,R]
-        o = torch.einsum("bhr,hvr->bhv", o_lat.to(x.dtype), w_uv)
+        # both absorbed products in fp32: one rounding, at the end, to the model dtype
+        q_lat = ops.mla_absorb(q_nope, w_uk)                                                   # [B,H,R] fp32
+        o_lat = ops.mla_decode_attention(q_lat, q_pe, cache.c, cache.k_pe, pos, self.scale)   # [B,H,R] fp32
+        o = ops.mla_absorb(o_lat, w_uv.transpose(1, 2)).to(x.dtype)                           # [B,H,dv]
         return self.o_proj(o.reshape(B, self.H * self.dv))
 
 

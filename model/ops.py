@@ -116,14 +116,32 @@ def mla_prefill_attention(q, k, v, scale):
 def mla_decode_attention(q_lat, q_pe, c, k_pe, pos, scale):
     """Attention of one query per head over the latent cache, positions 0..pos (a device scalar).
 
-    q_lat [B,H,R] (q_nope absorbed into the latent space), q_pe [B,H,P], c [B,L,R], k_pe [B,L,P].
-    Runs over the whole preallocated buffer with a mask, so the step's shapes never change (graph-safe).
+    q_lat [B,H,R] fp32 (q_nope absorbed into the latent space), q_pe [B,H,P], c [B,L,R], k_pe [B,L,P].
+    The step's shapes never change with pos (graph-safe); the Triton form reads only positions 0..pos.
     Returns the latent output [B,H,R] in fp32.
     """
-    s = torch.einsum("bhr,blr->bhl", q_lat, c).float() + torch.einsum("bhp,blp->bhl", q_pe, k_pe).float()
+    if _triton(c):
+        from .triton.mla_decode import mla_decode
+        return mla_decode(q_lat, q_pe, c, k_pe, pos, scale)
+    return mla_decode_attention_torch(q_lat, q_pe, c, k_pe, pos, scale)
+
+
+def mla_decode_attention_torch(q_lat, q_pe, c, k_pe, pos, scale):
+    """Reference: fp32 scores, softmax and p @ c over the whole buffer, positions past pos masked out."""
+    c, k_pe = c.float(), k_pe.float()
+    s = torch.einsum("bhr,blr->bhl", q_lat.float(), c) + torch.einsum("bhp,blp->bhl", q_pe.float(), k_pe)
     valid = torch.arange(c.shape[1], device=c.device) <= pos
     p = torch.softmax((s * scale).masked_fill(~valid, float("-inf")), dim=-1)
-    return torch.einsum("bhl,blr->bhr", p.to(c.dtype), c).float()
+    return torch.einsum("bhl,blr->bhr", p, c.masked_fill(~valid[:, None], 0))
+
+
+def mla_absorb(x, w):
+    """out[b,h,n] = sum_k x[b,h,k] w[h,k,n] with an fp32 result (x [B,H,K], w [H,K,N]): the key/value
+    up-projections absorbed into MLA decode, kept in fp32 so the latent query and output are not rounded."""
+    if _triton(x):
+        from .triton.mla_decode import mla_absorb as triton_mla_absorb
+        return triton_mla_absorb(x, w)
+    return torch.einsum("bhk,hkn->bhn", x.float(), w.float())
 
 
 # ---- MoE ----------------------------------------------------------------------------------------

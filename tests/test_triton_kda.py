@@ -478,6 +478,24 @@ def sm90_spills() -> dict:
     out["moe_route"] = stack_bytes(moe._moe_route_kernel, {"logits_ptr": f32, "bias_ptr": f32, "idx_ptr": "*i64",
                                                           "w_ptr": f32, "scaling": "fp32"},
                                    dict(E=256, K=K, BLOCK_E=256, RENORM=True))
+    from model.triton import mla_decode as ml
+    H, R, P = 32, 512, 64
+    out["mla_split"] = stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": bf, "c": bf, "k_pe": bf,
+                                                                "pos_ptr": "*i64", **dict.fromkeys(
+                                                                    ["o_part", "m_part", "l_part"], f32),
+                                                                "qk_scale": "fp32", **dict.fromkeys(
+                                                                    ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l", "s_kpe_b",
+                                                                     "s_kpe_l"], "i32")},
+                                   dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL, BF16=True, MMA=True),
+                                   num_warps=ml._WARPS)
+    out["mla_combine"] = stack_bytes(ml._mla_decode_combine_kernel, {**dict.fromkeys(["o_part", "m_part", "l_part"],
+                                                                                     f32), "pos_ptr": "*i64",
+                                                                     "out": f32},
+                                     dict(SPLIT=1024, NS=128, H=H, R=R, NSP=128, BR=128))
+    out["mla_absorb"] = stack_bytes(ml._absorb_kernel, {"x": f32, "w": bf, "out": f32, "B": "i32",
+                                                        **dict.fromkeys(["s_xb", "s_xh", "s_wh", "s_wk", "s_wn"],
+                                                                        "i32")},
+                                    dict(K=R, N=128, BP=16, BK=64, BN=64, BF16=True, MMA=True), num_warps=4)
     out["control"] = stack_bytes(_segment_sums_kernel(broken=False), {"x": "*i32"}, dict(BT=4))
     try:
         out["broken"] = stack_bytes(_segment_sums_kernel(broken=True), {"x": "*i32"}, dict(BT=4))
@@ -500,6 +518,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["control"] == 0 and spills["broken"] is None, "the compile check cannot tell good from bad"
     assert spills["scan"] == 0 and spills["decode"] == 0 and spills["norm"] == 0, spills
     assert spills["moe_gate_up"] == 0 and spills["moe_down"] == 0 and spills["moe_route"] == 0, spills
+    assert spills["mla_split"] == 0 and spills["mla_combine"] == 0 and spills["mla_absorb"] == 0, spills
     assert spills["prep"] <= 64, spills
 
 

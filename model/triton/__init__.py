@@ -5,6 +5,9 @@
   optionally the gated output norm) in one launch, the twin of `causal_conv1d` + `kda_gate` +
   sigmoid + `recurrent_kda_step`.
 - `norms.rmsnorm`, `norms.gated_rmsnorm`, `norms.add_rmsnorm`: HF's KimiLinearRMSNorm(Gated).
+- `mla_decode.mla_decode`: MLA decode attention over the latent cache, split-K with a combine (the twin of
+  `model.ops.mla_decode_attention_torch`); `mla_decode.mla_absorb`: the absorbed up-projections in fp32
+  (held against fp64 by tests/test_triton_mla.py).
 
 Triton chooses compiled (CUDA) or interpreted (CPU) kernels when a kernel module is first imported,
 from TRITON_INTERPRET (read by triton): set it to 1 before that import to run them on the CPU.

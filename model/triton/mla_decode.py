@@ -1,0 +1,190 @@
+"""MLA decode over the latent cache ("flash-decoding"), and the absorbed up-projections around it: the fast
+twins of `model.ops.mla_decode_attention_torch` and of the torch form in `model.ops.mla_absorb`. Forward only, fp32 math.
+
+`mla_decode`: one query per head and sequence against cache positions 0..pos (pos a device scalar). The
+positions are cut into fixed-length splits, one program per (sequence, split), all heads at once (the cache
+is shared by the heads, so each latent row is read from memory once): scores [H, BL] = q_lat c^T + q_pe k_pe^T,
+online softmax, acc [H, R] += p c. Each program writes its unnormalised acc and its (max, sum) to a fp32
+workspace; a second kernel merges the splits. The grid is fixed by the buffer's length (CUDA-graph safe), but
+programs whose split starts past pos return at once and nothing past pos is loaded, so the cost follows pos.
+
+Precision: the cache is bf16 (or fp32), q_lat and p are fp32. tl.dot of bf16 operands multiplies exactly (a
+product of two bf16 is exact in fp32) and accumulates in fp32, so the fp32 operand is split into a bf16 head
+and a bf16 tail (x = hi + lo + O(2^-17 |x|)) and dotted twice: fp32-accurate scores and p @ c at twice the
+bf16 MMA cost, far cheaper than fp32 (IEEE) dots, which run on the FMA units. An fp32 cache takes IEEE dots.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import model.triton as mt
+
+# The split kernel's tile and launch. sm_90 compile at 32 heads x 512 (tests/test_triton_kda.py sm90_spills):
+# BL=64 with 8 warps fits in 231 registers without spills (32 with 8 warps spills 8 bytes, 4 warps spill);
+# the [32, 512] fp32 accumulator alone is 64 registers/thread. Triton 3.6 does not multi-buffer this loop.
+_BL = 64  # cache positions per loop step
+_WARPS = 8
+
+
+@triton.jit
+def _dot_f32(a, b, acc, B_IS_BF16: tl.constexpr, MMA: tl.constexpr):
+    """acc + a @ b for fp32 `a`, to fp32 accuracy: bf16 `b` takes a's bf16 head and tail in two exact-product
+    MMAs; fp32 `b` takes one IEEE dot. MMA=False (the interpreter, whose bf16 tl.dot is wrong in Triton 3.6)
+    dots the same bf16 values as fp32 in IEEE, which is the same exact-product sum."""
+    if B_IS_BF16:
+        hi = a.to(tl.bfloat16)
+        lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+        if MMA:
+            return tl.dot(lo, b, tl.dot(hi, b, acc))
+        else:
+            bf = b.to(tl.float32)
+            acc = tl.dot(hi.to(tl.float32), bf, acc, input_precision="ieee")
+            return tl.dot(lo.to(tl.float32), bf, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def _mla_decode_split_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_part, qk_scale,
+                             s_qpe_b, s_qpe_h, s_c_b, s_c_l, s_kpe_b, s_kpe_l,
+                             H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, HP: tl.constexpr,
+                             RP: tl.constexpr, PP: tl.constexpr, SPLIT: tl.constexpr, BL: tl.constexpr,
+                             BF16: tl.constexpr, MMA: tl.constexpr):
+    """One (sequence, split): positions [i_s * SPLIT, min((i_s + 1) * SPLIT, pos + 1)), all heads."""
+    i_b, i_s = tl.program_id(0), tl.program_id(1)
+    NS = tl.num_programs(1)
+    pos = tl.load(pos_ptr).to(tl.int32)
+    start = i_s * SPLIT
+    if start > pos:
+        return  # past the current position: nothing to read; the combine skips this split
+    end = tl.minimum(start + SPLIT, pos + 1)
+    h, r, p = tl.arange(0, HP), tl.arange(0, RP), tl.arange(0, PP)
+    m_h, m_r, m_p = h < H, r < R, p < P
+    q = tl.load(q_lat + (i_b * H + h[:, None]) * R + r[None, :], mask=m_h[:, None] & m_r[None, :], other=0.)
+    qp = tl.load(q_pe + i_b * s_qpe_b + h[:, None] * s_qpe_h + p[None, :], mask=m_h[:, None] & m_p[None, :],
+                 other=0.).to(tl.float32)
+    m_i = tl.full([HP], float("-inf"), tl.float32)
+    l_i = tl.zeros([HP], tl.float32)
+    acc = tl.zeros([HP, RP], tl.float32)
+    # a constant trip count (a bound computed from pos would not run under the interpreter): blocks past
+    # `end` are fully masked, so they cost no memory traffic, and only the split holding pos has any
+    for l0 in range(0, SPLIT, BL):
+        offs = start + l0 + tl.arange(0, BL)
+        valid = offs < end
+        row = offs.to(tl.int64)
+        cb = tl.load(c + i_b.to(tl.int64) * s_c_b + row[:, None] * s_c_l + r[None, :],
+                     mask=valid[:, None] & m_r[None, :], other=0.)
+        kb = tl.load(k_pe + i_b.to(tl.int64) * s_kpe_b + row[:, None] * s_kpe_l + p[None, :],
+                     mask=valid[:, None] & m_p[None, :], other=0.)
+        s = _dot_f32(q, tl.trans(cb), tl.zeros([HP, BL], tl.float32), BF16, MMA)
+        s = _dot_f32(qp, tl.trans(kb), s, BF16, MMA)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))      # log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        acc = _dot_f32(pr, cb, acc * alpha[:, None], BF16, MMA)
+        m_i = m_new
+    row = i_b * NS + i_s
+    tl.store(o_part + (row * H + h[:, None]) * R + r[None, :], acc, mask=m_h[:, None] & m_r[None, :])
+    tl.store(m_part + row * H + h, m_i, mask=m_h)
+    tl.store(l_part + row * H + h, l_i, mask=m_h)
+
+
+@triton.jit
+def _mla_decode_combine_kernel(o_part, m_part, l_part, pos_ptr, out, SPLIT: tl.constexpr, NS: tl.constexpr,
+                               H: tl.constexpr, R: tl.constexpr, NSP: tl.constexpr, BR: tl.constexpr):
+    """out[b, h, r-block] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the splits that ran."""
+    i_b, i_h, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = tl.load(pos_ptr).to(tl.int32) // SPLIT + 1       # splits that started at or before pos
+    s = tl.arange(0, NSP)
+    ms = tl.load(m_part + (i_b * NS + s) * H + i_h, mask=s < n, other=float("-inf"))
+    ls = tl.load(l_part + (i_b * NS + s) * H + i_h, mask=s < n, other=0.)
+    m = tl.max(ms, 0)
+    denom = tl.sum(tl.exp2(ms - m) * ls, 0)
+    r = i_r * BR + tl.arange(0, BR)
+    acc = tl.zeros([BR], tl.float32)
+    for j in range(0, NS):  # splits past pos: masked, never read (their workspace is left unwritten)
+        w = tl.exp2(tl.load(m_part + (i_b * NS + j) * H + i_h, mask=j < n, other=float("-inf")) - m)
+        acc += w * tl.load(o_part + ((i_b * NS + j) * H + i_h) * R + r, mask=(r < R) & (j < n), other=0.)
+    tl.store(out + (i_b * H + i_h) * R + r, acc / denom, mask=r < R)
+
+
+def _compiled() -> bool:
+    return type(_mla_decode_split_kernel).__name__ != "InterpretedFunction"
+
+
+def _pad(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))   # tl.dot needs every dimension >= 16
+
+
+def default_split(L: int, B: int, device: torch.device) -> int:
+    """Positions per split: about one program per SM when the whole buffer is in use, a multiple of _BL."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return _BL * triton.cdiv(triton.cdiv(L, max(1, sms // B)), _BL)
+
+
+def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None):
+    """Latent attention output [B,H,R] fp32 of q_lat [B,H,R] fp32 and q_pe [B,H,P] over c [B,L,R] and
+    k_pe [B,L,P] (bf16 or fp32, one dtype), positions 0..pos (a device scalar); `split` = positions per
+    program (a multiple of 64; default `default_split`)."""
+    B, H, R = q_lat.shape
+    L, P = c.shape[1], k_pe.shape[-1]
+    if c.dtype not in (torch.bfloat16, torch.float32) or k_pe.dtype != c.dtype:
+        raise TypeError(f"mla_decode: cache must be bf16 or fp32 (one dtype), got {c.dtype} / {k_pe.dtype}")
+    assert q_lat.dtype == torch.float32 and q_lat.is_contiguous()
+    assert c.stride(-1) == 1 and k_pe.stride(-1) == 1 and q_pe.stride(-1) == 1
+    mt.require_runnable(_mla_decode_split_kernel, c.device)
+    split = split or default_split(L, B, c.device)
+    assert split % _BL == 0, split
+    ns = triton.cdiv(L, split)
+    o_part = mt.empty(B, ns, H, R, dtype=torch.float32, device=c.device)
+    m_part = mt.empty(B, ns, H, dtype=torch.float32, device=c.device)
+    l_part = mt.empty(B, ns, H, dtype=torch.float32, device=c.device)
+    out = mt.empty(B, H, R, dtype=torch.float32, device=c.device)
+    RP = _pad(R)
+    _mla_decode_split_kernel[(B, ns)](
+        q_lat, q_pe, c, k_pe, pos, o_part, m_part, l_part, scale * 1.4426950408889634,
+        q_pe.stride(0), q_pe.stride(1), c.stride(0), c.stride(1), k_pe.stride(0), k_pe.stride(1),
+        H=H, R=R, P=P, HP=_pad(H), RP=RP, PP=_pad(P), SPLIT=split, BL=_BL, BF16=c.dtype == torch.bfloat16,
+        MMA=_compiled(), num_warps=_WARPS)
+    BR = min(RP, 128)
+    _mla_decode_combine_kernel[(B, H, triton.cdiv(R, BR))](o_part, m_part, l_part, pos, out, SPLIT=split, NS=ns,
+                                                          H=H, R=R, NSP=triton.next_power_of_2(ns), BR=BR)
+    return out
+
+
+@triton.jit
+def _absorb_kernel(x, w, out, B, s_xb, s_xh, s_wh, s_wk, s_wn,
+                   K: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                   BF16: tl.constexpr, MMA: tl.constexpr):
+    """out[:, h, n-block] = x[:, h, :] @ w[h, :, n-block] in fp32, every sequence of the batch at once."""
+    i_h, i_n = tl.program_id(0), tl.program_id(1)
+    b, n = tl.arange(0, BP), i_n * BN + tl.arange(0, BN)
+    y = tl.zeros([BP, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        xb = tl.load(x + b[:, None] * s_xb + i_h * s_xh + k[None, :], mask=(b < B)[:, None] & (k < K)[None, :],
+                     other=0.).to(tl.float32)
+        wb = tl.load(w + i_h * s_wh + k[:, None] * s_wk + n[None, :] * s_wn,
+                     mask=(k < K)[:, None] & (n < N)[None, :], other=0.)
+        y = _dot_f32(xb, wb, y, BF16, MMA)
+    H = tl.num_programs(0)
+    tl.store(out + (b[:, None] * H + i_h) * N + n[None, :], y, mask=(b < B)[:, None] & (n < N)[None, :])
+
+
+def mla_absorb(x, w):
+    """out[b,h,n] = sum_k x[b,h,k] w[h,k,n] in fp32, fp32-accurate for fp32 x (x [B,H,K] any float dtype,
+    w [H,K,N] bf16 or fp32, any strides): the absorbed key/value up-projections of MLA decode."""
+    B, H, K = x.shape
+    N = w.shape[2]
+    assert x.stride(-1) == 1 and w.shape[:2] == (H, K)
+    mt.require_runnable(_absorb_kernel, x.device)
+    out = mt.empty(B, H, N, dtype=torch.float32, device=x.device)
+    BN = min(_pad(N), 64)
+    _absorb_kernel[(H, triton.cdiv(N, BN))](x, w, out, B, x.stride(0), x.stride(1), *w.stride(), K=K, N=N,
+                                          BP=_pad(B), BK=min(_pad(K), 64), BN=BN, BF16=w.dtype == torch.bfloat16,
+                                          MMA=_compiled(), num_warps=4)
+    return out

@@ -1,0 +1,164 @@
+"""MLA decode over the latent cache: the Triton split-K kernel and the fp32 absorbed projections against fp64
+references (the torch forms in model.ops, run in float64), via the interpreter on CPU; real shapes on the GPU.
+
+Every buffer the kernels write is allocated NaN-filled, so an element left unwritten (or a workspace split
+that the combine reads although it never ran) fails the finiteness check.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # also done by conftest.py; needed before the imports below
+
+import pytest  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402
+
+import model.triton as mt  # noqa: E402
+from model import ops  # noqa: E402
+from model.triton.mla_decode import _BL, mla_absorb, mla_decode  # noqa: E402
+from tests.conftest import rel_err  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# fp32 cache: IEEE dots; bf16 cache: fp32 operand split into bf16 head + tail (the interpreter truncates the
+# tail to bf16 instead of rounding: 2^-16 relative, measured ~1e-5)
+TOL = {torch.float32: 2e-6, torch.bfloat16: 5e-5}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poisoned_buffers():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mt, "empty", lambda *s, dtype, device: torch.full(s, float("nan"), dtype=dtype, device=device))
+        yield
+
+
+def decode_inputs(B, H, R, P, L, dtype, seed, sharp=1.0, device=DEV):
+    """q_lat fp32, q_pe and the cache in `dtype`; `sharp` scales the query (peakier softmax)."""
+    g = torch.Generator().manual_seed(seed)
+    q_lat = sharp * torch.randn(B, H, R, generator=g)
+    q_pe = (sharp * torch.randn(B, H, P, generator=g)).to(dtype)
+    c = torch.randn(B, L, R, generator=g).to(dtype)
+    k_pe = torch.randn(B, L, P, generator=g).to(dtype)
+    return [t.to(device) for t in (q_lat, q_pe, c, k_pe)]
+
+
+def fp64_reference(q_lat, q_pe, c, k_pe, pos, scale):
+    return ops.mla_decode_attention_torch(*(t.double() for t in (q_lat, q_pe, c, k_pe)), pos, scale)
+
+
+def check(o, ref, tol, what):
+    assert torch.isfinite(o).all(), f"{what}: non-finite values (a poisoned element left unwritten or read?)"
+    err = rel_err(o, ref)
+    assert err <= tol, f"{what}: relative RMS error {err:.3e} > {tol:.1e}"
+
+
+@given(B=st.sampled_from([1, 2]), H=st.sampled_from([2, 4]), R=st.sampled_from([32, 64]), L=st.integers(1, 300),
+       split=st.sampled_from([_BL, 2 * _BL]), where=st.sampled_from(["0", "boundary-1", "boundary", "last"]),
+       dtype=st.sampled_from(["fp32", "bf16"]), seed=st.integers(0, 999))
+def test_decode_matches_fp64(B, H, R, L, split, where, dtype, seed):
+    P, scale = 16, 0.17
+    pos = {"0": 0, "boundary-1": split - 1, "boundary": split, "last": L - 1}[where]
+    pos = torch.tensor(min(pos, L - 1), device=DEV)
+    q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], seed, sharp=2.0)
+    o = mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split=split)
+    assert o.shape == (B, H, R) and o.dtype == torch.float32
+    check(o, fp64_reference(q_lat, q_pe, c, k_pe, pos, scale), TOL[DTYPES[dtype]], f"pos={int(pos)}")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("pos", [0, _BL - 1, 2 * _BL, 3 * _BL + 5])
+def test_positions_past_pos_are_not_read(pos, dtype):
+    """Huge and NaN values past pos leave the output bit for bit unchanged: they are never loaded."""
+    B, H, R, P, L = 2, 4, 32, 16, 5 * _BL
+    q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], pos)
+    p = torch.tensor(pos, device=DEV)
+    clean = mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=2 * _BL)
+    for fill in (float("nan"), 3e38):
+        c2, k2 = c.clone(), k_pe.clone()
+        c2[:, pos + 1:], k2[:, pos + 1:] = fill, fill
+        dirty = mla_decode(q_lat, q_pe, c2, k2, p, 0.2, split=2 * _BL)
+        assert torch.isfinite(dirty).all() and torch.equal(dirty, clean), fill
+    # and the cache up to pos is read: changing position pos changes the result
+    c[:, pos] += 1
+    assert not torch.equal(mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=2 * _BL), clean)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_torch_reference_scores_are_fp32(dtype):
+    """The torch form keeps scores and p in fp32: close to fp64 where bf16 scores (the old einsum) were ~1e-2 off."""
+    q_lat, q_pe, c, k_pe = decode_inputs(1, 4, 64, 16, 200, DTYPES[dtype], 0, sharp=4.0)
+    pos = torch.tensor(150)
+    ref = fp64_reference(q_lat, q_pe, c, k_pe, pos, 0.17)
+    check(ops.mla_decode_attention_torch(q_lat, q_pe, c, k_pe, pos, 0.17), ref, 1e-5, "torch fp32 form")
+    s = torch.einsum("bhr,blr->bhl", q_lat.to(c.dtype), c).float()   # the old, rounded score path
+    old = torch.einsum("bhl,blr->bhr", torch.softmax((s * 0.17)[..., :151], -1).to(c.dtype), c[:, :151]).float()
+    if dtype == "bf16":  # the control: rounding the scores to bf16 is visibly worse
+        assert rel_err(old, ref) > 1e-3
+
+
+@given(B=st.sampled_from([1, 3]), H=st.sampled_from([2, 4]), K=st.sampled_from([8, 16, 96]),
+       N=st.sampled_from([16, 40]), x_dtype=st.sampled_from(["fp32", "bf16"]), w_dtype=st.sampled_from(["fp32", "bf16"]),
+       transposed=st.booleans(), seed=st.integers(0, 999))
+def test_absorb_matches_fp64(B, H, K, N, x_dtype, w_dtype, transposed, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, K, generator=g).to(DTYPES[x_dtype]).to(DEV)
+    w = torch.randn(H, N, K, generator=g).to(DTYPES[w_dtype]).to(DEV).transpose(1, 2) if transposed else \
+        torch.randn(H, K, N, generator=g).to(DTYPES[w_dtype]).to(DEV)
+    y = mla_absorb(x, w)
+    assert y.shape == (B, H, N) and y.dtype == torch.float32
+    ref = torch.einsum("bhk,hkn->bhn", x.double(), w.double())
+    check(y, ref, 2e-6 if w_dtype == "fp32" or x_dtype == "bf16" else 5e-5, "absorb")
+    with ops.use("torch"):
+        check(ops.mla_absorb(x, w), ref, 2e-6, "torch absorb")
+
+
+# ---- real shapes on the GPU ---------------------------------------------------------------------
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("B,L", [(1, 4096), (1, 131072), (4, 4096), (8, 32768)])
+@pytest.mark.parametrize("where", ["first", "small", "boundary", "last"])
+def test_gpu_decode_real_shapes(B, L, where, dtype):
+    from model.triton.mla_decode import default_split
+    H, R, P, scale = 32, 512, 64, 192 ** -0.5
+    split = default_split(L, B, torch.device("cuda"))
+    pos = {"first": 0, "small": 37, "boundary": split, "last": L - 1}[where]
+    q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], L + B, sharp=3.0)
+    p = torch.tensor(pos, device="cuda")
+    o = mla_decode(q_lat, q_pe, c, k_pe, p, scale)
+    check(o, fp64_reference(q_lat, q_pe, c, k_pe, p, scale), 4e-5, f"B={B} L={L} pos={pos}")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_under_cuda_graph():
+    """One capture, replayed at several positions (pos updated in place), matches eager calls."""
+    H, R, P, L = 32, 512, 64, 8192
+    q_lat, q_pe, c, k_pe = decode_inputs(1, H, R, P, L, torch.bfloat16, 3, device="cuda")
+    pos = torch.tensor(0, device="cuda")
+    mla_decode(q_lat, q_pe, c, k_pe, pos, 0.07)     # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_decode(q_lat, q_pe, c, k_pe, pos, 0.07)
+    for p in (5, 4000, L - 1):
+        pos.fill_(p)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, mla_decode(q_lat, q_pe, c, k_pe, pos, 0.07)), p
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B", [1, 8])
+def test_gpu_absorb_real_shapes(B):
+    g = torch.Generator().manual_seed(B)
+    w = torch.randn(32, 256, 512, generator=g).bfloat16().cuda()            # kv_b_proj.weight as [H, dn+dv, R]
+    w_uk, w_uv = w[:, :128], w[:, 128:]
+    q_nope = torch.randn(B, 32, 128, generator=g).bfloat16().cuda()
+    o_lat = torch.randn(B, 32, 512, generator=g).cuda()
+    check(mla_absorb(q_nope, w_uk), torch.einsum("bhn,hnr->bhr", q_nope.double(), w_uk.double()), 2e-6, "q_lat")
+    check(mla_absorb(o_lat, w_uv.transpose(1, 2)), torch.einsum("bhr,hvr->bhv", o_lat.double(), w_uv.double()),
+          2e-5, "o")
