@@ -440,6 +440,8 @@ def sm90_spills() -> dict:
     def stack_bytes(fn, sig, consts, **opts):
         sig = {**sig, **{name: "constexpr" for name in consts}}
         k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=opts)
+        # an H200 refuses a launch past 227 KB of shared memory per block (seen: the fp32 MLA tile at BL=64)
+        assert k.metadata.shared <= 232448, f"{fn.__name__}: {k.metadata.shared} B of shared memory"
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
@@ -488,6 +490,14 @@ def sm90_spills() -> dict:
                                                                      "s_kpe_l"], "i32")},
                                    dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL, BF16=True, MMA=True),
                                    num_warps=ml._WARPS)
+    out["mla_split_fp32"] = stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": f32, "c": f32,
+                                                                     "k_pe": f32, "pos_ptr": "*i64", **dict.fromkeys(
+                                                                         ["o_part", "m_part", "l_part"], f32),
+                                                                     "qk_scale": "fp32", **dict.fromkeys(
+                                                                         ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l",
+                                                                          "s_kpe_b", "s_kpe_l"], "i32")},
+                                        dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL_FP32, BF16=False,
+                                             MMA=True), num_warps=ml._WARPS)
     out["mla_combine"] = stack_bytes(ml._mla_decode_combine_kernel, {**dict.fromkeys(["o_part", "m_part", "l_part"],
                                                                                      f32), "pos_ptr": "*i64",
                                                                      "out": f32},
@@ -519,6 +529,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["scan"] == 0 and spills["decode"] == 0 and spills["norm"] == 0, spills
     assert spills["moe_gate_up"] == 0 and spills["moe_down"] == 0 and spills["moe_route"] == 0, spills
     assert spills["mla_split"] == 0 and spills["mla_combine"] == 0 and spills["mla_absorb"] == 0, spills
+    assert spills["mla_split_fp32"] == 0, spills
     assert spills["prep"] <= 64, spills
 
 

@@ -26,6 +26,9 @@ import model.triton as mt
 # the [32, 512] fp32 accumulator alone is 64 registers/thread. Triton 3.6 does not multi-buffer this loop.
 _BL = 64  # cache positions per loop step
 _WARPS = 8
+# An fp32 cache takes IEEE dots of fp32 tiles: at BL=64 they need 377 KB of shared memory (sm_90 has 227 KB;
+# the H200 refused the launch), at 16 positions 150 KB with no spills at 8 warps.
+_BL_FP32 = 16
 
 
 @triton.jit
@@ -148,7 +151,8 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None):
     _mla_decode_split_kernel[(B, ns)](
         q_lat, q_pe, c, k_pe, pos, o_part, m_part, l_part, scale * 1.4426950408889634,
         q_pe.stride(0), q_pe.stride(1), c.stride(0), c.stride(1), k_pe.stride(0), k_pe.stride(1),
-        H=H, R=R, P=P, HP=_pad(H), RP=RP, PP=_pad(P), SPLIT=split, BL=_BL, BF16=c.dtype == torch.bfloat16,
+        H=H, R=R, P=P, HP=_pad(H), RP=RP, PP=_pad(P), SPLIT=split,
+        BL=_BL if c.dtype == torch.bfloat16 else _BL_FP32, BF16=c.dtype == torch.bfloat16,
         MMA=_compiled(), num_warps=_WARPS)
     BR = min(RP, 128)
     _mla_decode_combine_kernel[(B, H, triton.cdiv(R, BR))](o_part, m_part, l_part, pos, out, SPLIT=split, NS=ns,
