@@ -5,7 +5,8 @@ Two kernels, both per (batch, head):
 1. `_kda_chunk_prep_kernel`, one program per chunk of BT=64 tokens, all chunks in parallel. It does
    everything that does not need the state: q/k L2 norm, the intra-chunk matrices Akk/Aqk with their
    pairwise decays, the UT-transform solve T = (I + Akk)^-1, and folds the results into five per-chunk
-   operands of the state recurrence (fp32, [B*H, NT*BT, D] so a chunk is one contiguous slab):
+   operands of the state recurrence ([B*H, NT*BT, D] so a chunk is one contiguous slab; fp32 for fp32
+   inputs, bf16 for bf16/fp16 inputs, see "Precision" below):
        w  = T (beta k e^G)            u  = T (beta v)              (G: cumulative log decay in the chunk)
        qw = q e^G - Aqk w             ou = Aqk u
        kd = k e^(G_last - G)          eglast = e^G_last
@@ -13,11 +14,19 @@ Two kernels, both per (batch, head):
    fp32 state S [K, BV] in registers:
        v_new = u - w S;   o = qw S + ou   (= q e^G S + Aqk v_new);   S <- eglast * S + kd^T v_new
 
-Decays are only ever formed as exp of a non-positive sum of gates (see the prep kernel), so gates near
-0, at -5 or at -1000 neither overflow nor lose digits. Matmuls run on tensor cores with fp32 operands:
-`tf32x3` (about fp32 accuracy) for fp32 inputs, `tf32` for bf16/fp16 inputs. Tiles and warps are sized
-so that, for bf16 inputs on sm_90, the scan kernel does not spill registers and the prep kernel spills
-32 bytes per thread (checked offline with Triton's bundled ptxas).
+Precision. Decays are only ever formed as exp of a non-positive sum of the gates a span covers (see
+`_level_pairs`), never as a difference of long prefix sums, so gates near 0, at -5 or at -1000 neither
+overflow nor lose digits. Matmuls run on tensor cores with fp32 operands: `tf32x3` (about fp32
+accuracy) for fp32 inputs, `tf32` for bf16/fp16 inputs. For bf16/fp16 inputs two roundings are added,
+each far below what the inputs already carry (bf16: relative 2^-9):
+- the span sums of gates are one tf32 dot: each gate rounded to relative 2^-11, all terms of one sign,
+  so a span sum E <= 0 is off by at most 2^-11 |E| and its decay e^E by at most 2^-11 |E| e^E
+  <= 2^-11 / e = 1.8e-4 (absolute, for a factor <= 1);
+- w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32.
+Tiles and warps were picked by timing on the H200 (T=8192, 32 heads of 128, bf16): the prep kernel at
+64-column slices and 4 warps took 1.39 ms against 1.91 ms at 8 warps, though at 4 warps it spills about
+1.2 KB per thread (264 B at 8 warps); the scan kernel spills 16 B. tests/test_triton_kda.py bounds both
+(compiled offline with Triton's bundled ptxas).
 """
 from __future__ import annotations
 
@@ -29,8 +38,10 @@ import model.triton as mt
 
 CHUNK = 64
 _LOG2_CHUNK = 6
-_SLICE = 16  # columns of q, k, g, v the prep kernel holds at a time
+_SLICE = 64  # columns of q, k, g, v the prep kernel holds at a time
 _BV = 32     # state columns per scan program
+_PREP_WARPS = 4  # see the module docstring: faster than 8 although it spills more
+_SCAN_WARPS = 8
 
 
 @triton.jit
@@ -42,22 +53,32 @@ def _load_rows(p0, n_live, SHIFT: tl.constexpr, STRIDE: tl.constexpr, BT: tl.con
 
 
 @triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """fp32 x as dtype, bf16 rounded to nearest even by hand: CUDA rounds so, Triton's interpreter
+    truncates, and the CPU tests should see the GPU's error, not a bias."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        x = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
 def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
     """Partial sums (over this K slice) of sum_c k_t k_s exp(G_t - G_s) and the same with q_t, for the
     pairs (t, s) with t in the upper and s in the lower half of one 2*half-block of rows; zero elsewhere.
 
     With r the last row of that lower half, exp(G_t - G_s) = exp(g_{r+1} + ... + g_t) * exp(g_{s+1} + ... + g_r):
     both factors <= 1, one per row, so the pairs of a level are one tl.dot. Each exponent is the sum of
-    the gates it spans, taken as a 0/1-masked product with g (tf32x3: fp32-accurate, and a -1000 gate
-    outside the span contributes an exact 0), never as a difference of long prefix sums, which would
-    lose its low digits after a gate of -1000.
+    the gates it spans, taken as a 0/1-masked product with g (PREC: tf32x3 is fp32-accurate, tf32 is
+    bounded in the module docstring; a -1000 gate outside the span contributes an exact 0), never as a
+    difference of long prefix sums, which would lose its low digits after a gate of -1000.
     """
     r = tl.arange(0, BT)
     c = tl.arange(0, BT)
     upper = (r // half) % 2 == 1
     same_half = (r[:, None] // half) == (c[None, :] // half)
     spans = same_half & tl.where(upper[:, None], c[None, :] <= r[:, None], c[None, :] > r[:, None])
-    decay = tl.exp(tl.dot(spans.to(tl.float32), g_s, input_precision="tf32x3"))
+    decay = tl.exp(tl.dot(spans.to(tl.float32), g_s, input_precision=PREC))
     k_row = tl.where(upper[:, None], k_s * decay, 0.)
     q_row = tl.where(upper[:, None], q_s * decay, 0.)
     k_col = tl.trans(tl.where(upper[:, None], 0., k_s * decay))
@@ -141,19 +162,19 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         e_G = tl.exp(G)
         b_w = tl.dot(Tm, k_s * (b_beta[:, None] * e_G), input_precision=PREC)
         out = r[:, None] * K + kk + cb[None, :]
-        tl.store(w + slab * K + out, b_w)
-        tl.store(qw + slab * K + out, q_s * e_G - tl.dot(Aqk, b_w, input_precision=PREC))
+        tl.store(w + slab * K + out, _rounded(b_w, w.dtype.element_ty))
+        tl.store(qw + slab * K + out, _rounded(q_s * e_G - tl.dot(Aqk, b_w, input_precision=PREC), qw.dtype.element_ty))
         # g_{t+1} + ... + g_last, summed from the end (not G_last - G_t)
         to_end = tl.cumsum(_load_rows(g + row0 * K + kk, n_live, 1, H * K, BT, BK), axis=0, reverse=True)
-        tl.store(kd + slab * K + out, k_s * tl.exp(to_end))
+        tl.store(kd + slab * K + out, _rounded(k_s * tl.exp(to_end), kd.dtype.element_ty))
         G_last = tl.sum(tl.where((r == BT - 1)[:, None], G, 0.), axis=0)  # padded rows add g = 0
         tl.store(eglast + (i_bh.to(tl.int64) * NT + i_t) * K + kk + cb, tl.exp(G_last))
     for vv in range(0, V, BK):
         b_u = tl.dot(Tm, _load_rows(v + row0 * V + vv, n_live, 0, H * V, BT, BK) * b_beta[:, None],
                      input_precision=PREC)
         out = r[:, None] * V + vv + cb[None, :]
-        tl.store(u + slab * V + out, b_u)
-        tl.store(ou + slab * V + out, tl.dot(Aqk, b_u, input_precision=PREC))
+        tl.store(u + slab * V + out, _rounded(b_u, u.dtype.element_ty))
+        tl.store(ou + slab * V + out, _rounded(tl.dot(Aqk, b_u, input_precision=PREC), ou.dtype.element_ty))
 
 
 @triton.jit
@@ -163,7 +184,7 @@ def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
     """Inter-chunk recurrence and output. Grid (V // BV, B*H); one program = one head's V-block.
 
     The fp32 state block S [K, BV] stays in registers while the program walks the NT chunks in order;
-    per chunk it reads the prep kernel's w, qw, kd [BT, K], u, ou [BT, BV] and eglast [K]:
+    per chunk it reads the prep kernel's w, qw, kd [BT, K], u, ou [BT, BV] (fp32 or bf16) and eglast [K]:
         v_new = u - w S;   o = qw S + ou;   S <- eglast[:, None] * S + kd^T v_new
     (three tl.dot per chunk). The final S is the final state.
     """
@@ -182,23 +203,32 @@ def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
     S = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + head + state_off)
-    # a while loop: Triton 3.6's interpreter cannot iterate range() over a runtime bound (NumPy >= 2.4)
+    # Each iteration ends by loading the next chunk (the last one rereads itself, unused): the loads
+    # are loop-carried, which measured faster and spills less than loading at the top of the body.
+    # A while loop: Triton 3.6's interpreter cannot iterate range() over a runtime bound (NumPy >= 2.4).
+    slab = i_bh.to(tl.int64) * NT * BT
+    b_w = tl.load(w + slab * K + k_off)  # fp32 or bf16, widened where used
+    b_qw = tl.load(qw + slab * K + k_off)
+    b_kd = tl.load(kd + slab * K + k_off)
+    b_u = tl.load(u + slab * V + v_off)
+    b_ou = tl.load(ou + slab * V + v_off)
+    b_eg = tl.load(eglast + i_bh.to(tl.int64) * NT * K + ck)
     n = 0
     while n < NT:
-        slab = (i_bh.to(tl.int64) * NT + n) * BT
+        v_new = b_u.to(tl.float32) - tl.dot(b_w.to(tl.float32), S, input_precision=PREC)
+        b_o = b_ou.to(tl.float32) + tl.dot(b_qw.to(tl.float32), S, input_precision=PREC)
+        t = n * BT + r
+        p_o = o + ((i_b.to(tl.int64) * T + n * BT) * H + i_h) * V + r[:, None] * (H * V) + cv[None, :]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
+        S = S * b_eg[:, None] + tl.dot(tl.trans(b_kd.to(tl.float32)), v_new, input_precision=PREC)
+        nxt = tl.minimum(n + 1, NT - 1)
+        slab = (i_bh.to(tl.int64) * NT + nxt) * BT
         b_w = tl.load(w + slab * K + k_off)
         b_qw = tl.load(qw + slab * K + k_off)
         b_kd = tl.load(kd + slab * K + k_off)
         b_u = tl.load(u + slab * V + v_off)
         b_ou = tl.load(ou + slab * V + v_off)
-        b_eg = tl.load(eglast + (i_bh.to(tl.int64) * NT + n) * K + ck)
-
-        v_new = b_u - tl.dot(b_w, S, input_precision=PREC)
-        b_o = b_ou + tl.dot(b_qw, S, input_precision=PREC)
-        t = n * BT + r
-        p_o = o + ((i_b.to(tl.int64) * T + n * BT) * H + i_h) * V + r[:, None] * (H * V) + cv[None, :]
-        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
-        S = S * b_eg[:, None] + tl.dot(tl.trans(b_kd), v_new, input_precision=PREC)
+        b_eg = tl.load(eglast + (i_bh.to(tl.int64) * NT + nxt) * K + ck)
         n += 1
     if STORE_HT:
         tl.store(ht + head + state_off, S)
@@ -251,15 +281,16 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     NT = triton.cdiv(T, CHUNK)
     BH, dev = B * H, q.device
-    w, qw, kd = (mt.empty(BH, NT * CHUNK, K, dtype=torch.float32, device=dev) for _ in range(3))
-    u, ou = (mt.empty(BH, NT * CHUNK, V, dtype=torch.float32, device=dev) for _ in range(2))
+    exact = torch.float32 in (q.dtype, k.dtype, v.dtype)  # see "Precision" in the module docstring
+    prec, store = ("tf32x3", torch.float32) if exact else ("tf32", torch.bfloat16)
+    w, qw, kd = (mt.empty(BH, NT * CHUNK, K, dtype=store, device=dev) for _ in range(3))
+    u, ou = (mt.empty(BH, NT * CHUNK, V, dtype=store, device=dev) for _ in range(2))
     eglast = mt.empty(BH, NT, K, dtype=torch.float32, device=dev)
-    prec = "tf32x3" if torch.float32 in (q.dtype, k.dtype, v.dtype) else "tf32"
     _kda_chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
-                                 H=H, K=K, V=V, BT=CHUNK, BK=_SLICE, LOG2_BT=_LOG2_CHUNK,
-                                 L2NORM=bool(l2norm_qk), PREC=prec, num_warps=4)
+                                     H=H, K=K, V=V, BT=CHUNK, BK=min(_SLICE, K, V), LOG2_BT=_LOG2_CHUNK,
+                                     L2NORM=bool(l2norm_qk), PREC=prec, num_warps=_PREP_WARPS)
     BV = min(V, _BV)
     _kda_chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
-                                      H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None,
-                                      STORE_HT=ht is not None, PREC=prec, num_warps=8, num_stages=1)
+                                          H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None,
+                                          STORE_HT=ht is not None, PREC=prec, num_warps=_SCAN_WARPS, num_stages=1)
     return o, ht
