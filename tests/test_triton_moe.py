@@ -105,17 +105,21 @@ def test_router_rejects_wrong_shapes():
 
 
 def expert_inputs(N, D, I, E, K, seed, with_shared, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(N, D, generator=g).to(dtype).to(DEV)
-    gate_up = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(dtype).to(DEV)
-    down = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(dtype).to(DEV)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(DEV)
-    w = torch.rand(N, K, generator=g).to(DEV)
+    """Drawn on the device (the real shapes' 3.6 GB of experts would take long on the host)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
+
+    x = rnd(N, D)
+    gate_up, down = rnd(E, 2 * I, D, scale=D ** -0.5), rnd(E, D, I, scale=I ** -0.5)
+    idx = torch.stack([torch.randperm(E, generator=g, device=DEV)[:K] for _ in range(N)])
+    w = torch.rand(N, K, generator=g, device=DEV)
     shared = None
     if with_shared:
         shared = MLP(D, I).to(dtype).to(DEV).requires_grad_(False)
         for p in shared.parameters():
-            p.copy_((torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5).to(dtype))
+            p.copy_(rnd(*p.shape, scale=p.shape[-1] ** -0.5))
     return x, idx, w, gate_up, down, shared
 
 
