@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode] [--chunk-T 1024,8192,32768]
         [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--rep-ms 200]
+    python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
 
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
 FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=32 heads, head dim 128, bf16.
@@ -20,6 +21,13 @@ the model's CUDA graph); decode shapes also record back-to-back eager times (hos
 Outputs are compared in the same run (relative RMS error, fla as the reference). One `kernel` record per shape;
 an error in one shape or side becomes an INVALID record and the run goes on. Without fla, ours is still timed
 and every record is INVALID with reason "peer unavailable: ...".
+
+`--ops moe_decode`: the batch-N decode MoE of 48B-A3B at its real shapes (random weights, one layer): the
+fused router (GEMV + top-k, one launch), the gate_up and down expert kernels, and the three in sequence
+(`moe_layer`), each against the previous kernels in the same run (see MoeCase), with achieved GB/s over the
+bytes an ideal kernel reads, as a fraction of 4.25 TB/s and of the read ceiling measured in the run.
+`--moe-sweep` also times every tile config of `moe_sweep_grid` and logs the best per kernel; pick the
+defaults in model/triton/moe.py (GATE_UP, DOWN, ROUTER) from it.
 """
 from __future__ import annotations
 
@@ -263,14 +271,209 @@ def summarize(recs: list[dict]) -> None:
             log(f"  target {op} {key}={n}: ours {cmp} {x['peer']}: {'MET' if met else 'MISSED'}")
 
 
+# ---- MoE decode: router + routing, expert GEMVs -------------------------------------------------------
+# 48B-A3B shapes; bf16 experts, fp32 router weight. Peers, in the same run: the router is the previous path
+# (x.float(), cuBLAS fp32 GEMM, then `route`, three launches); the expert kernels are the previous kernels
+# (benchmarks/moe_prev.py, frozen), fed the same routing and activations.
+MOE_E, MOE_D, MOE_I, MOE_K, MOE_SCALING = 256, 2304, 1024, 8, 2.446
+MOE_PEER = "prev-kernels@a526784"
+NOMINAL_GBPS = 4250.0  # the H200's HBM figure the task is stated against; the measured read ceiling sits beside it
+MOE_PARTS = ("moe_router", "moe_gate_up", "moe_down", "moe_layer")
+
+
+def moe_sweep_grid() -> dict[str, list[dict]]:
+    """Tile configs the sweep times, per kernel: those whose one-step tile is at most 256 bytes a thread
+    (beyond that the loads spill registers)."""
+    kp = MOE_K
+    grid = {
+        "moe_gate_up": [dict(BLOCK_I=bi, BLOCK_D=bd, num_warps=nw) for bi in (4, 8, 16, 32)
+                        for bd in (128, 256, 512) for nw in (4, 8) if 2 * bi * bd * 2 <= 256 * 32 * nw],
+        "moe_down": [dict(BLOCK_D=bd, BLOCK_I=bi, num_warps=nw) for bd in (1, 2, 4, 8)
+                     for bi in (256, 512, 1024) for nw in (4, 8) if (kp + 1) * bd * bi * 2 <= 256 * 32 * nw],
+        "moe_router": [dict(BLOCK_E=be, num_warps=nw) for be in (1, 2, 4, 8) for nw in (4, 8)
+                       if be * 4096 * 4 <= 256 * 32 * nw],
+    }
+    return grid
+
+
+class MoeCase:
+    """Random weights at the real shapes (one MoE layer) and N tokens; `fns(part, cfg)` gives (ours, peer)."""
+
+    def __init__(self, N: int, device: str = "cuda"):
+        import torch.nn.functional as F
+        from benchmarks.moe_prev import prev_down, prev_gate_up
+        from model.triton import moe
+        g = torch.Generator(device=device).manual_seed(N)
+        self.device = device
+        E, D, I, K = MOE_E, MOE_D, MOE_I, MOE_K
+
+        def rnd(*shape, scale, dtype=DTYPE):
+            return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+        self.x = rnd(N, D, scale=1.0)
+        self.wr, self.bias = rnd(E, D, scale=D ** -0.5, dtype=torch.float32), rnd(E, scale=0.01, dtype=torch.float32)
+        self.gate_up, self.down = rnd(E, 2 * I, D, scale=D ** -0.5), rnd(E, D, I, scale=I ** -0.5)
+        self.sg, self.su, self.sd = rnd(I, D, scale=D ** -0.5), rnd(I, D, scale=D ** -0.5), rnd(D, I, scale=I ** -0.5)
+        self.idx, self.w = moe.fused_router(self.x, self.wr, self.bias, K, MOE_SCALING, True)
+        self.act = moe.expert_gate_up(self.x, self.idx, self.gate_up, (self.sg, self.su))
+        experts = int(torch.unique(self.idx).numel()) + 1  # distinct experts read, the shared one included
+        # bytes a perfect kernel reads from HBM: each distinct expert's weights once, the router weight once
+        self.bytes = {"moe_router": E * D * 4, "moe_gate_up": experts * 2 * I * D * 2, "moe_down": experts * D * I * 2}
+        self.bytes["moe_layer"] = sum(self.bytes.values())
+        self.route = lambda cfg=None: moe.fused_router(self.x, self.wr, self.bias, K, MOE_SCALING, True, cfg)
+        self.peer_route = lambda: moe.route(F.linear(self.x.float(), self.wr), self.bias, K, MOE_SCALING, True)
+        self.ours_gu = lambda cfg=None: moe.expert_gate_up(self.x, self.idx, self.gate_up, (self.sg, self.su), cfg)
+        self.peer_gu = lambda: prev_gate_up(self.x, self.idx, self.gate_up, (self.sg, self.su))
+        self.ours_dn = lambda cfg=None: moe.expert_down(self.act, self.idx, self.w, self.down, self.sd, cfg)
+        self.peer_dn = lambda: prev_down(self.act, self.idx, self.w, self.down, self.sd)
+
+        def ours_layer():
+            idx, w = self.route()
+            return moe.expert_down(moe.expert_gate_up(self.x, idx, self.gate_up, (self.sg, self.su)), idx, w,
+                                   self.down, self.sd)
+
+        def peer_layer():
+            idx, w = self.peer_route()
+            return prev_down(prev_gate_up(self.x, idx, self.gate_up, (self.sg, self.su)), idx, w, self.down, self.sd)
+
+        self.ours_layer, self.peer_layer = ours_layer, peer_layer
+
+    def fns(self, part: str, cfg: dict | None = None):
+        return {"moe_router": (lambda: self.route(cfg), self.peer_route),
+                "moe_gate_up": (lambda: self.ours_gu(cfg), self.peer_gu),
+                "moe_down": (lambda: self.ours_dn(cfg), self.peer_dn),
+                "moe_layer": (self.ours_layer, self.peer_layer)}[part]
+
+
+def moe_compare(part: str, ours, theirs) -> tuple[dict, list[str]]:
+    """Outputs of ours vs the peer; the router's must pick the same experts."""
+    if part == "moe_router":
+        (idx, w), (ridx, rw) = ours, theirs
+        o, ro = idx.sort(-1), ridx.sort(-1)
+        mismatch = int((o.values != ro.values).any(-1).sum())
+        res = {"routing_mismatch_tokens": mismatch,
+               "rel_err_vs_peer": rel_err(w.gather(-1, o.indices), rw.gather(-1, ro.indices))}
+        return res, [f"router picked other experts than the peer for {mismatch} token(s)"] if mismatch else []
+    return {"rel_err_vs_peer": rel_err(ours, theirs)}, []
+
+
+def moe_measure(case: MoeCase, part: str, cfg: dict | None, rep_ms: int, hbm_gbps: float | None,
+                peer_ms: float | None = None) -> tuple[dict, list[str]]:
+    """Time ours (and the peer, unless its time is given) on one part; bandwidth against the ideal bytes."""
+    ours, theirs = case.fns(part, cfg)
+    first, again = ours(), ours()
+    res, reasons = moe_compare(part, first, theirs())
+    same = all(torch.equal(a, b) for a, b in zip(first, again)) if part == "moe_router" else torch.equal(first, again)
+    if not same:
+        reasons.append("ours is not deterministic: two runs on the same inputs differ")
+    res["ours_ms"] = gpu_ms(ours, rep_ms)
+    res["peer_ms"] = peer_ms if peer_ms is not None else gpu_ms(theirs, rep_ms)
+    res["peer"], res["bytes"] = MOE_PEER, case.bytes[part]
+    for who in ("ours", "peer"):
+        gbps = case.bytes[part] / (res[f"{who}_ms"] / 1e3) / 1e9
+        res[f"{who}_gbps"], res[f"{who}_frac_of_nominal"] = gbps, gbps / NOMINAL_GBPS
+        if hbm_gbps:
+            res[f"{who}_frac_of_measured"] = gbps / hbm_gbps
+    res["speedup"] = res["peer_ms"] / res["ours_ms"]
+    res["measured_read_gbps"] = hbm_gbps
+    if not res["rel_err_vs_peer"] <= PEER_TOL:
+        reasons.append(f"ours differs from {MOE_PEER}: relative RMS error {res['rel_err_vs_peer']:.3g} > {PEER_TOL}")
+    return res, reasons
+
+
+def moe_record(part: str, N: int, cfg: dict | None, results: dict, reasons: list[str], sweep: bool,
+               device: str) -> dict:
+    from model.triton import moe
+    from records import store
+    default = {"moe_router": moe.ROUTER, "moe_gate_up": moe.GATE_UP, "moe_down": moe.DOWN}.get(part)
+    params = {"kernel": part, "op": "moe_decode", "N": N, "E": MOE_E, "D": MOE_D, "I": MOE_I, "K": MOE_K,
+              "shared_experts": 1, "dtype": "bfloat16"}
+    if default is not None:
+        params["cfg"] = {**default, **(cfg or {})}
+    if sweep:
+        params["sweep"] = True
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else device
+    rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=name, weights=None, params=params,
+                            results=results, verdict="INVALID" if reasons else "VALID", reasons=reasons)
+    store.append(rec)
+    return rec
+
+
+def moe_line(part: str, N: int, cfg, x: dict, rec: dict) -> str:
+    c = "" if cfg is None else " " + ",".join(f"{k}={v}" for k, v in cfg.items())
+    line = f"  {part:12s} N={N:<2d}{c:40s} ours={_ms(x.get('ours_ms'))}"
+    if "ours_gbps" in x:
+        line += f" ({x['ours_gbps']:6.0f} GB/s, {x['ours_frac_of_nominal']:.0%} of {NOMINAL_GBPS:.0f}"
+        line += f", {x['ours_frac_of_measured']:.0%} of measured)" if "ours_frac_of_measured" in x else ")"
+    if "peer_ms" in x:
+        line += f"  peer={_ms(x['peer_ms'])} ({x['peer_gbps']:.0f} GB/s)  speedup={x['speedup']:.2f}x"
+    return line + f"  {rec['verdict']}"
+
+
+def run_moe(Ns: list[int], sweep: bool, rep_ms: int, device: str = "cuda") -> list[dict]:
+    """The MoE decode kernels at N tokens: each part with its default tiles against the peer, then (sweep) every
+    config of `moe_sweep_grid`, the peer's time reused. One `kernel` record per (part, N[, config])."""
+    from benchmarks.roofline import measure_read_gbps
+    hbm_gbps = measure_read_gbps(device, 1 << 30, 20)
+    log(f"moe_decode: measured read ceiling {hbm_gbps:.0f} GB/s (1 GiB x.sum()); nominal {NOMINAL_GBPS:.0f}")
+    recs = []
+    for N in Ns:
+        try:
+            case = MoeCase(N, device)
+        except Exception as e:  # e.g. out of memory: record it, go on with the next N
+            traceback.print_exc()
+            why = [f"setup failed: {type(e).__name__}: {e}"]
+            recs.append(moe_record("moe_layer", N, None, {"peer": MOE_PEER}, why, False, device))
+            continue
+        peer_ms = {}
+        for part in MOE_PARTS:
+            try:
+                results, reasons = moe_measure(case, part, None, rep_ms, hbm_gbps)
+                peer_ms[part] = results["peer_ms"]
+            except Exception as e:  # one failing part must not end the run
+                traceback.print_exc()
+                results, reasons = {"peer": MOE_PEER}, [f"{part} failed: {type(e).__name__}: {e}"]
+            rec = moe_record(part, N, None, results, reasons, False, device)
+            log(moe_line(part, N, None, results, rec))
+            recs.append(rec)
+        if not sweep:
+            continue
+        for part, cfgs in moe_sweep_grid().items():
+            best = None
+            for cfg in cfgs:
+                try:
+                    results, reasons = moe_measure(case, part, cfg, rep_ms, hbm_gbps, peer_ms.get(part))
+                except Exception as e:  # a config that fails to compile or run is recorded and skipped
+                    traceback.print_exc()
+                    results, reasons = {"peer": MOE_PEER}, [f"{part} {cfg} failed: {type(e).__name__}: {e}"]
+                rec = moe_record(part, N, cfg, results, reasons, True, device)
+                log(moe_line(part, N, cfg, results, rec))
+                recs.append(rec)
+                if rec["verdict"] == "VALID" and (best is None or results["ours_ms"] < best[1]):
+                    best = (cfg, results["ours_ms"])
+            if best is not None:
+                log(f"  best {part} N={N}: {best[0]} {best[1] * 1e3:.1f} us")
+        del case
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    return recs
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode")
+    ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode",
+                    help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode")
     ap.add_argument("--chunk-T", default="1024,8192,32768")
     ap.add_argument("--decode-B", default="1,8,64")
     ap.add_argument("--mla-T", default="1024,32768,131072", help="mla_decode contexts (batch 1)")
+    ap.add_argument("--moe-N", default="1,8", help="tokens per MoE decode step (moe_decode)")
+    ap.add_argument("--moe-sweep", action="store_true", help="moe_decode: also time every tile config of the grid")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
+    ops = [o for o in args.ops.split(",") if o]
+    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "moe_decode"}
+    if unknown:
+        raise SystemExit(f"unknown --ops {sorted(unknown)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
     ops = args.ops.split(",")
@@ -285,6 +488,8 @@ def main(argv=None) -> None:
     recs += [run_case("mla_decode", 1, int(T), None, None, args.rep_ms)
              for T in args.mla_T.split(",") if T and "mla_decode" in ops]
     summarize(recs)
+    if "moe_decode" in ops:
+        run_moe([int(n) for n in args.moe_N.split(",") if n], args.moe_sweep, args.rep_ms)
 
 
 if __name__ == "__main__":

@@ -197,8 +197,7 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
-        return ops.moe_route(logits, self.e_score_correction_bias, self.top_k, self.scaling, self.renorm)
+        return ops.moe_router(x, self.weight, self.e_score_correction_bias, self.top_k, self.scaling, self.renorm)
 
 
 class Experts(nn.Module):

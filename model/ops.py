@@ -145,16 +145,27 @@ def mla_absorb(x, w):
 
 
 # ---- MoE ----------------------------------------------------------------------------------------
-def moe_route(logits, bias, k: int, scaling: float, renorm: bool):
-    """Router logits [N, E] fp32 -> (expert ids [N, k], weights [N, k] fp32): top-k of sigmoid + bias, weights
-    the unbiased sigmoid scores of the chosen, renormalised, times the scaling factor."""
-    if _triton(logits) and not (k & (k - 1)):
+SMALL_BATCH = 16  # tokens up to which the MoE streams only the chosen experts' rows (decode), in Triton
+
+
+def moe_router(x, weight, bias, k: int, scaling: float, renorm: bool):
+    """Tokens x [N, D] -> (expert ids [N, k], weights [N, k] fp32). Logits x.float() @ weight.float()^T in fp32;
+    top-k of sigmoid + bias; weights the unbiased sigmoid scores of the chosen, renormalised, times scaling.
+
+    Decode-sized batches run the GEMV and the routing in one launch (Triton); larger ones a GEMM then the
+    routing kernel."""
+    if _triton(x) and not (k & (k - 1)) and x.shape[0] <= SMALL_BATCH:
+        from .triton.moe import fused_router
+        return fused_router(x, weight, bias, k, scaling, renorm)
+    logits = F.linear(x.float(), weight.float())
+    if _triton(x) and not (k & (k - 1)):
         from .triton.moe import route
         return route(logits, bias, k, scaling, renorm)
     return moe_route_torch(logits, bias, k, scaling, renorm)
 
 
 def moe_route_torch(logits, bias, k, scaling, renorm):
+    """Reference routing from fp32 logits [N, E]."""
     scores = torch.sigmoid(logits)
     idx = torch.topk(scores + bias.float(), k, dim=-1, sorted=False).indices
     w = scores.gather(-1, idx)
@@ -170,7 +181,7 @@ def moe_experts(x, idx, w, gate_up, down, shared=None):
     Decode-sized batches stream only the chosen experts' rows, the shared expert's in the same two launches
     (Triton); prefill-sized ones sort the (token, expert) pairs by expert and run two grouped GEMMs; the
     loop is the reference."""
-    if _triton(x) and x.shape[0] <= 16:
+    if _triton(x) and x.shape[0] <= SMALL_BATCH:
         from .triton.moe import fused_moe_small_batch
         sw = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
         return fused_moe_small_batch(x, idx, w, gate_up, down, sw)

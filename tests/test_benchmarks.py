@@ -234,3 +234,42 @@ def test_graph_trace_without_kernels_is_invalid():
     many = [dict(name=f"gemv_kernel_{j}", ts=100.0 * i + 3 * j, dur=2.0) for i in range(4) for j in range(30)]
     results, problems = decompose.summarize_trace(many, 4, "graph", layers=27)
     assert not problems and results["shares"]["gemm"] == 1.0 and results["kernels_per_step"] == 30
+
+
+# ---- bench_kernels: MoE decode ----------------------------------------------------------------------
+
+def test_moe_decode_bench_plumbing(records_dir, monkeypatch):
+    """`--ops moe_decode [--moe-sweep]` on the CPU through Triton's interpreter, at small shapes with a fake
+    clock: every part is compared with the previous kernels and recorded VALID with its bandwidth; the sweep
+    records each config and every config computes what the peer does."""
+    from benchmarks import bench_kernels as bk
+    monkeypatch.setattr(bk, "MOE_E", 16)
+    monkeypatch.setattr(bk, "MOE_D", 64)
+    monkeypatch.setattr(bk, "MOE_I", 32)
+    monkeypatch.setattr(bk, "MOE_K", 4)
+    monkeypatch.setattr(bk, "gpu_ms", lambda fn, rep_ms: (fn(), 0.01)[1])
+    monkeypatch.setattr(roofline, "measure_read_gbps", lambda device, nbytes, reps: 4000.0)
+    grid = {"moe_gate_up": [dict(BLOCK_I=8, BLOCK_D=32, num_warps=4)],
+            "moe_down": [dict(BLOCK_D=2, BLOCK_I=16, num_warps=4)], "moe_router": [dict(BLOCK_E=4, num_warps=4)]}
+    monkeypatch.setattr(bk, "moe_sweep_grid", lambda: grid)
+    recs = bk.run_moe([2], sweep=True, rep_ms=1, device="cpu")
+    assert [r["params"]["kernel"] for r in recs] == list(bk.MOE_PARTS) + list(grid)
+    assert all(r["verdict"] == "VALID" for r in recs), [r["reasons"] for r in recs]
+    assert len(load(kinds="kernel", root=records_dir).records) == len(recs)
+    router, gate_up, down, layer = (r["results"] for r in recs[:4])
+    assert router["bytes"] == 16 * 64 * 4 and router["routing_mismatch_tokens"] == 0
+    experts = gate_up["bytes"] // (2 * 32 * 64 * 2)  # distinct routed experts + the shared one
+    assert 4 + 1 <= experts <= 8 + 1 and down["bytes"] == experts * 64 * 32 * 2
+    assert layer["bytes"] == router["bytes"] + gate_up["bytes"] + down["bytes"]
+    assert layer["ours_gbps"] == pytest.approx(layer["bytes"] / 1e-5 / 1e9)
+    assert layer["ours_frac_of_measured"] == pytest.approx(layer["ours_gbps"] / 4000.0)
+    assert recs[4]["params"]["sweep"] and recs[4]["params"]["cfg"] == grid["moe_gate_up"][0]
+
+
+def test_moe_sweep_grid_holds_the_defaults():
+    """Each kernel has a handful of configs to choose from, its default among them."""
+    from benchmarks import bench_kernels as bk
+    from model.triton import moe
+    grid = bk.moe_sweep_grid()
+    assert all(len(grid[k]) >= 5 for k in ("moe_gate_up", "moe_down", "moe_router"))
+    assert moe.GATE_UP in grid["moe_gate_up"] and moe.DOWN in grid["moe_down"] and moe.ROUTER in grid["moe_router"]

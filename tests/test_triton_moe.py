@@ -1,16 +1,42 @@
-"""Triton MoE kernels (routing, expert GEMVs) against the PyTorch references, via the interpreter on CPU."""
+"""Triton MoE kernels (router, routing, expert GEMVs) against the PyTorch references, via the interpreter on CPU.
+
+Every buffer a kernel writes is allocated NaN-filled (`model.triton.empty` patched), so an element a kernel
+leaves unwritten fails the comparison. Tests marked `gpu` run the model's real shapes (D=2304, I=1024,
+E=256, top-8 + shared expert, bf16) and the bf16 rounding points."""
 
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import given, strategies as st  # noqa: E402
 
+import model.triton as mt  # noqa: E402
 from model import ops  # noqa: E402
 from model.layers import MLP  # noqa: E402
-from model.triton.moe import fused_moe_small_batch, route  # noqa: E402
+from model.triton.moe import fused_moe_small_batch, fused_router, route  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+
+
+def _nan_empty(*shape, dtype, device):
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    return t.fill_(-1) if not (dtype.is_floating_point or dtype.is_complex) else t.fill_(float("nan"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poisoned_buffers():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mt, "empty", _nan_empty)
+        yield
+
+
+def same_routing(idx, w, ridx, rw, tol=1e-6):
+    """The same set of experts per token, with the same weights (order may differ: sorted=False)."""
+    o, ro = idx.sort(-1), ridx.sort(-1)
+    assert torch.equal(o.values, ro.values)
+    assert torch.isfinite(w).all()
+    assert rel_err(w.gather(-1, o.indices), rw.gather(-1, ro.indices)) < tol
 
 
 @given(N=st.integers(1, 4), E=st.sampled_from([8, 12, 32]), K=st.sampled_from([1, 2, 4]), seed=st.integers(0, 999),
@@ -21,27 +47,103 @@ def test_route_matches_torch(N, E, K, seed, renorm):
     bias = (0.1 * torch.randn(E, generator=g)).to(DEV)
     idx, w = route(logits, bias, K, 2.446, renorm)
     ridx, rw = ops.moe_route_torch(logits, bias, K, 2.446, renorm)
-    # the same set of experts per token, with the same weights (order may differ: sorted=False)
-    o, ro = idx.sort(-1), ridx.sort(-1)
-    assert torch.equal(o.values, ro.values)
-    assert rel_err(w.gather(-1, o.indices), rw.gather(-1, ro.indices)) < 1e-6
+    same_routing(idx, w, ridx, rw)
+
+
+def router_inputs(N, E, D, seed, exact):
+    """x (bf16-representable) [N, D], fp32 router weight [E, D], bias [E]. With `exact`, small integers over a
+    power of two: every partial sum is exact in fp32, so logits agree to the bit in any summation order and
+    the chosen experts must agree exactly."""
+    g = torch.Generator().manual_seed(seed)
+    if exact:
+        x = torch.randint(-4, 5, (N, D), generator=g).float()
+        wr = torch.randint(-8, 9, (E, D), generator=g).float() / 64
+    else:
+        x = torch.randn(N, D, generator=g).bfloat16().float()
+        wr = torch.randn(E, D, generator=g) / D ** 0.5
+    bias = 0.1 * torch.randn(E, generator=g)
+    return x.to(DEV), wr.to(DEV), bias.to(DEV)
+
+
+@given(N=st.integers(1, 5), E=st.sampled_from([8, 12, 32, 64]), D=st.sampled_from([16, 40, 96]),
+       K=st.sampled_from([1, 2, 4, 8]), block_e=st.sampled_from([1, 2, 4]), seed=st.integers(0, 999),
+       renorm=st.booleans())
+def test_fused_router_matches_torch(N, E, D, K, block_e, seed, renorm):
+    """Exact-arithmetic inputs: the same experts and weights as GEMM + torch routing, for every tile width
+    (E not a multiple of BLOCK_E included); two calls in a row show the arrival counters were put back."""
+    K = min(K, E)
+    x, wr, bias = router_inputs(N, E, D, seed, exact=True)
+    with ops.use("torch"):
+        ridx, rw = ops.moe_router(x, wr, bias, K, 2.446, renorm)
+    for _ in range(2):
+        idx, w = fused_router(x, wr, bias, K, 2.446, renorm, cfg=dict(BLOCK_E=block_e))
+        same_routing(idx, w, ridx, rw)
+
+
+@given(N=st.integers(1, 3), seed=st.integers(0, 999))
+def test_router_dispatch_matches_torch_on_random_weights(N, seed):
+    """Random (inexact) inputs through ops.moe_router, both sides of the batch-size dispatch; logits may
+    differ by fp32 summation order, so only tokens whose K-th and (K+1)-th choices are apart are compared."""
+    E, D, K = 32, 64, 4
+    x, wr, bias = router_inputs(N, E, D, seed, exact=False)
+    with ops.use("torch"):
+        ridx, rw = ops.moe_router(x, wr, bias, K, 2.446, True)
+        choice = (torch.sigmoid(x @ wr.T) + bias).sort(-1, descending=True).values
+    clear = (choice[:, K - 1] - choice[:, K]) > 1e-5
+    with ops.use("triton"):
+        big = x.repeat(ops.SMALL_BATCH + 1, 1)
+        for idx, w in (ops.moe_router(x, wr, bias, K, 2.446, True),
+                       tuple(t[:N] for t in ops.moe_router(big, wr, bias, K, 2.446, True))):
+            same_routing(idx[clear], w[clear], ridx[clear], rw[clear], tol=1e-5)
+
+
+def test_router_rejects_wrong_shapes():
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_router(torch.randn(1, 16), torch.randn(8, 12), torch.zeros(8), 2, 1.0, True)
+    with pytest.raises(ValueError, match="power of two"):
+        fused_router(torch.randn(1, 16), torch.randn(8, 16), torch.zeros(8), 3, 1.0, True)
+
+
+def expert_inputs(N, D, I, E, K, seed, with_shared, dtype=torch.float32):
+    """Drawn on the device (the real shapes' 3.6 GB of experts would take long on the host)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
+
+    x = rnd(N, D)
+    gate_up, down = rnd(E, 2 * I, D, scale=D ** -0.5), rnd(E, D, I, scale=I ** -0.5)
+    idx = torch.stack([torch.randperm(E, generator=g, device=DEV)[:K] for _ in range(N)])
+    w = torch.rand(N, K, generator=g, device=DEV)
+    shared = None
+    if with_shared:
+        shared = MLP(D, I).to(dtype).to(DEV).requires_grad_(False)
+        for p in shared.parameters():
+            p.copy_(rnd(*p.shape, scale=p.shape[-1] ** -0.5))
+    return x, idx, w, gate_up, down, shared
 
 
 @given(N=st.integers(1, 3), D=st.sampled_from([16, 40, 64]), I=st.sampled_from([8, 24, 32]), E=st.sampled_from([4, 9]),
        K=st.sampled_from([1, 2, 3]), seed=st.integers(0, 999), with_shared=st.booleans())
 def test_experts_match_torch(N, D, I, E, K, seed, with_shared):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(N, D, generator=g).to(DEV)
-    gate_up = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(DEV)
-    down = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(DEV)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(DEV)
-    w = torch.rand(N, K, generator=g).to(DEV)
-    shared = MLP(D, I).to(DEV).requires_grad_(False) if with_shared else None
-    if shared is not None:
-        for p in shared.parameters():
-            torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5, generator=g)
+    x, idx, w, gate_up, down, shared = expert_inputs(N, D, I, E, K, seed, with_shared)
     with ops.use("triton"):
         y = ops.moe_experts(x, idx, w, gate_up, down, shared)
+    with ops.use("torch"):
+        ref = ops.moe_experts(x, idx, w, gate_up, down, shared)
+    assert torch.isfinite(y).all()
+    assert rel_err(y, ref) < 1e-5
+
+
+@given(D=st.sampled_from([40, 64]), I=st.sampled_from([24, 32]), K=st.sampled_from([3, 4]),
+       gu=st.sampled_from([(8, 16), (4, 32), (16, 64)]), dn=st.sampled_from([(1, 8), (4, 16), (8, 32), (2, 64)]),
+       seed=st.integers(0, 999), with_shared=st.booleans())
+def test_expert_tiles_match_torch(D, I, K, gu, dn, seed, with_shared):
+    """Every tile shape the benchmark's sweep may pick computes the same thing (masked edges included)."""
+    x, idx, w, gate_up, down, shared = expert_inputs(2, D, I, 6, K, seed, with_shared)
+    sw = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+    y = fused_moe_small_batch(x, idx, w, gate_up, down, sw, gate_up_cfg=dict(BLOCK_I=gu[0], BLOCK_D=gu[1]),
+                              down_cfg=dict(BLOCK_D=dn[0], BLOCK_I=dn[1]))
     with ops.use("torch"):
         ref = ops.moe_experts(x, idx, w, gate_up, down, shared)
     assert torch.isfinite(y).all()
@@ -67,25 +169,61 @@ def test_grouped_gemm_form_matches_loop(N, E, K, seed):
     assert rel_err(ops.moe_experts_grouped(x, idx, w, gate_up, down), ops.moe_experts_torch(x, idx, w, gate_up, down)) < 1e-5
 
 
+# ---- real shapes on the GPU ---------------------------------------------------------------------
+
 @pytest.mark.gpu
-@pytest.mark.skipif(DEV != "cuda", reason="Triton's CPU interpreter truncates fp32 -> bf16 instead of rounding to nearest")
+@gpu
 def test_bf16_rounds_where_the_prefill_path_rounds():
     """In bf16 the fused decode kernel and the PyTorch path round at the same points, so they differ only by
-    fp32 summation order: nearly every output element is bit-identical."""
-    g = torch.Generator().manual_seed(3)
-    N, D, I, E, K = 2, 64, 32, 8, 3
-    bf = torch.bfloat16
-    x = torch.randn(N, D, generator=g).to(bf).to(DEV)
-    gate_up = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(bf).to(DEV)
-    down = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(bf).to(DEV)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(DEV)
-    w = torch.rand(N, K, generator=g).to(DEV)
-    shared = MLP(D, I).to(bf).to(DEV).requires_grad_(False)
-    for p in shared.parameters():
-        p.copy_((torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5).to(bf))
+    fp32 summation order: nearly every output element is bit-identical. (Not on CPU: Triton's interpreter
+    truncates fp32 -> bf16 instead of rounding to nearest.)"""
+    x, idx, w, gate_up, down, shared = expert_inputs(2, 64, 32, 8, 3, 3, True, torch.bfloat16)
     with ops.use("triton"):
         y = ops.moe_experts(x, idx, w, gate_up, down, shared)
     with ops.use("torch"):
         ref = ops.moe_experts(x, idx, w, gate_up, down, shared)
     assert rel_err(y, ref) < 5e-3
     assert (y == ref).float().mean() > 0.95
+
+
+@pytest.fixture
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N", [1, 8, 16])
+def test_gpu_real_shapes(N, no_tf32):
+    """48B-A3B shapes (E=256 experts, D=2304, I=1024, top-8 + shared, bf16): the router picks the torch
+    reference's experts (tokens with a near-tie at the K-th choice aside), the experts match the torch loop
+    closely (bf16 rounding points aligned), repeated runs and CUDA graph replays give identical bits."""
+    E, D, I, K = 256, 2304, 1024, 8
+    x, idx, w, gate_up, down, shared = expert_inputs(N, D, I, E, K, N, True, torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    wr = (torch.randn(E, D, generator=g) / D ** 0.5).to(DEV)
+    bias = (0.01 * torch.randn(E, generator=g)).to(DEV)
+    with ops.use("torch"):
+        ridx, rw = ops.moe_router(x, wr, bias, K, 2.446, True)
+        ref = ops.moe_experts(x, idx, w, gate_up, down, shared)
+        choice = (torch.sigmoid(x.float() @ wr.T) + bias).sort(-1, descending=True).values
+    clear = (choice[:, K - 1] - choice[:, K]) > 1e-5
+    assert clear.float().mean() > 0.5
+    with ops.use("triton"):
+        ridx2, rw2 = ops.moe_router(x, wr, bias, K, 2.446, True)
+        y = ops.moe_experts(x, idx, w, gate_up, down, shared)
+        same_routing(ridx2[clear], rw2[clear], ridx[clear], rw[clear], tol=1e-5)
+        assert rel_err(y, ref) < 5e-3
+        assert (y == ref).float().mean() > 0.9
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gi, gw = ops.moe_router(x, wr, bias, K, 2.446, True)
+            gy = ops.moe_experts(x, gi, gw, gate_up, down, shared)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(gi, ridx2) and torch.equal(gw, rw2)
+            assert torch.equal(gy, ops.moe_experts(x, ridx2, rw2, gate_up, down, shared))

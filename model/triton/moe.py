@@ -1,23 +1,45 @@
 """Small-batch MoE in Triton: routing and expert GEMVs that read only the chosen experts' weights.
 
-Decode runs one (or a few) tokens, so each expert matrix is read once per token: the work is pure weight
-streaming. Two launches, both with routing kept on the device (no host sync, graph-capturable):
+Decode runs one (or a few) tokens, so each weight matrix is read once per token: the work is pure weight
+streaming, and what matters is enough 16-byte loads in flight on every SM (H200: 132 SMs, ~4.25 TB/s).
+Three launches per MoE layer, routing kept on the device (no host sync, graph-capturable):
 
+  router:   logits[n, e] = x_n . Wr[e] (fp32), then the top-k
+            grid (N, E / BLOCK_E); each program streams BLOCK_E rows of the fp32 router weight. The last
+            program of a token to finish (an arrival counter, put back to 0 by that program, so CUDA graph
+            replays reuse it) reads the token's E logits and picks its experts.
   gate_up:  act[n, k, i] = silu(w1[e] x_n)[i] * (w3[e] x_n)[i]          e = idx[n, k]
             grid (N*(K+1), I / BLOCK_I); each program streams a [BLOCK_I, D] slice of w1 and of w3.
   down:     y[n, d]     = sum_k w[n, k] * (w2[e] act[n, k])[d]  + shared expert (weight 1)
-            grid (N, D / BLOCK_D); each program streams [BLOCK_D, I] slices of the K chosen w2's.
-The shared expert rides along as slot K, so the whole MoE FFN of a decode step is these two launches.
+            grid (N, D / BLOCK_D); each program streams [BLOCK_D, I] slices of all K chosen w2's at once
+            (one [K, BLOCK_D, BLOCK_I] tile per step) and of the shared expert, and sums the slots in
+            registers in a fixed order: no atomics, the same bits on every run.
+The shared expert rides along as slot K of gate_up and beside the K slots in down.
 
-`route` is the sigmoid router after its fp32 GEMV: bias-corrected top-k, renormalised unbiased weights,
-scaled; one program per token (E <= 1024 lives in registers). The references are
-`model.ops.moe_experts_torch` and `model.layers.Router`.
+Tile sizes and launch options are parameters (`GATE_UP`, `DOWN`, `ROUTER` hold the defaults);
+`python -m benchmarks.bench_kernels --op moe_decode --moe-sweep` times a grid of them on the GPU.
+The references are `model.ops.moe_experts_torch` and `model.ops.moe_router` under `ops.use("torch")`.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+import model.triton as mt
+from model.triton.kda_decode import _arrival_counters
+
+# Launch defaults (tiles and num_warps), chosen for batch-1 decode at D=2304, I=1024, K=8+1.
+# Triton does not software-pipeline these loads (no tl.dot), so the bytes in flight come from the tile of one
+# step times the programs resident per SM (all 16-byte vector loads at these shapes; no register spills).
+# gate_up: 16 rows x 256 columns of w1 and of w3 per step (16 KB), 9 steps over D (2304 = 9 * 256, no masked
+#   step); 576 programs at batch 1, 56 registers a thread: all resident at once (~4.4 per SM).
+# down: [8 slots, 4 rows, 512 columns] of w2 per step (32 KB, plus the shared expert's 4 KB), 2 steps over
+#   I; 576 programs at batch 1, each reading the 18 KB of activations once per 4 output rows.
+# router: 2 rows of the fp32 router weight (18 KB) in one step; 128 programs per token.
+GATE_UP = dict(BLOCK_I=16, BLOCK_D=256, num_warps=4)
+DOWN = dict(BLOCK_D=4, BLOCK_I=512, num_warps=8)
+ROUTER = dict(BLOCK_E=2, num_warps=4)
 
 
 @triton.jit
@@ -59,38 +81,53 @@ def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D
 
 @triton.jit
 def _moe_expert_down_kernel(act_ptr, idx_ptr, wt_ptr, w_ptr, sd_ptr, y_ptr, D: tl.constexpr, I: tl.constexpr,
-                 K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr):
+                 K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_I: tl.constexpr):
+    """Rows offs_d of y[n] from the K routed slots (a [KP, BLOCK_D, BLOCK_I] tile per step, KP = K padded
+    to a power of two, the padding masked off) and the shared expert (SHARED, slot K of act)."""
     n = tl.program_id(0)
     pid_d = tl.program_id(1)
+    SLOTS: tl.constexpr = K + SHARED
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for k in range(SLOTS):
-        if k < K:
-            e = tl.load(idx_ptr + n * K + k).to(tl.int64)
-            wk = tl.load(wt_ptr + n * K + k).to(tl.float32)
-            base = w_ptr + e * (D * I)
-        else:  # the shared expert, weight 1
-            wk = 1.0
-            base = sd_ptr
-        part = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for i0 in range(0, I, BLOCK_I):
-            offs_i = i0 + tl.arange(0, BLOCK_I)
-            mask_i = offs_i < I
-            a = tl.load(act_ptr + (n * SLOTS + k) * I + offs_i, mask=mask_i, other=0.0).to(tl.float32)
-            wd = tl.load(base + offs_d[:, None] * I + offs_i[None, :],
-                         mask=mask_d[:, None] & mask_i[None, :], other=0.0).to(tl.float32)
-            part += tl.sum(wd * a[None, :], axis=1)
-        acc += wk * part.to(y_ptr.dtype.element_ty).to(tl.float32)  # each expert's output is rounded, as F.linear's
-    tl.store(y_ptr + n * D + offs_d, acc.to(y_ptr.dtype.element_ty), mask=mask_d)
+    offs_k = tl.arange(0, KP)
+    mask_k = offs_k < K
+    e = tl.load(idx_ptr + n * K + offs_k, mask=mask_k, other=0).to(tl.int64)
+    wk = tl.load(wt_ptr + n * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    rows = e[:, None] * (D * I) + offs_d[None, :] * I                       # [KP, BLOCK_D] row starts
+    mask_kd = mask_k[:, None] & mask_d[None, :]
+    a_rows = (n * SLOTS + offs_k) * I
+    acc = tl.zeros([KP, BLOCK_D], dtype=tl.float32)
+    acc_s = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        mask_i = offs_i < I
+        a = tl.load(act_ptr + a_rows[:, None] + offs_i[None, :], mask=mask_k[:, None] & mask_i[None, :],
+                    other=0.0).to(tl.float32)
+        wd = tl.load(w_ptr + rows[:, :, None] + offs_i[None, None, :],
+                     mask=mask_kd[:, :, None] & mask_i[None, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(wd * a[:, None, :], axis=2)
+        if SHARED:
+            a_s = tl.load(act_ptr + (n * SLOTS + K) * I + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+            ws = tl.load(sd_ptr + offs_d[:, None] * I + offs_i[None, :], mask=mask_d[:, None] & mask_i[None, :],
+                         other=0.0).to(tl.float32)
+            acc_s += tl.sum(ws * a_s[None, :], axis=1)
+    # Each expert's output is rounded (as F.linear's), weighted in fp32 and summed over the slots in a fixed
+    # tree order, the shared expert (weight 1) last; one rounding of the sum, as the prefill path.
+    DT = y_ptr.dtype.element_ty
+    y = tl.sum(wk[:, None] * acc.to(DT).to(tl.float32), axis=0)
+    if SHARED:
+        y += acc_s.to(DT).to(tl.float32)
+    tl.store(y_ptr + n * D + offs_d, y.to(DT), mask=mask_d)
 
 
 def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
-                          down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                          ) -> torch.Tensor:
+                          down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                          gate_up_cfg: dict | None = None, down_cfg: dict | None = None) -> torch.Tensor:
     """x [N, D]; idx [N, K] expert ids; w [N, K] fp32 weights; gate_up [E, 2I, D]; down [E, D, I] -> y [N, D].
 
     `shared` = (gate [I, D], up [I, D], down [D, I]) adds the shared expert (weight 1) in the same launches.
+    `gate_up_cfg` / `down_cfg` override `GATE_UP` / `DOWN` (the benchmark's sweep).
     """
     N, D = x.shape
     K = idx.shape[1]
@@ -101,27 +138,45 @@ def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, g
     if shared is not None and (shared[0].shape != (I, D) or shared[1].shape != (I, D) or shared[2].shape != (D, I)):
         raise ValueError(f"shared expert shapes {[tuple(t.shape) for t in shared]} do not fit [{I}, {D}] / [{D}, {I}]")
     x, idx, w = x.contiguous(), idx.contiguous(), w.float().contiguous()
-    sg, su, sd = (t.contiguous() for t in shared) if shared is not None else (gate_up, gate_up, down)
-    slots = K + (shared is not None)
-    act = torch.empty(N * slots, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(N, D, dtype=x.dtype, device=x.device)
-    # Pure weight streaming: tiles of 16 rows x 512 columns (gate_up) and 8 rows x all of I (down) keep
-    # ~600 / ~300 programs at batch 1 with 16 KB loads each, enough bytes in flight to feed HBM.
-    BLOCK_I, BLOCK_D = min(16, triton.next_power_of_2(I)), min(512, triton.next_power_of_2(D))
-    _moe_expert_gate_up_kernel[(N * slots, triton.cdiv(I, BLOCK_I))](x, idx, gate_up, sg, su, act, D, I, K, slots,
-                                                          BLOCK_I, BLOCK_D)
-    BLOCK_D2, BLOCK_I2 = min(8, triton.next_power_of_2(D)), min(1024, triton.next_power_of_2(I))
-    _moe_expert_down_kernel[(N, triton.cdiv(D, BLOCK_D2))](act, idx, w, down, sd, y, D, I, K, slots, BLOCK_D2, BLOCK_I2)
+    act = expert_gate_up(x, idx, gate_up, shared[:2] if shared is not None else None, gate_up_cfg)
+    return expert_down(act, idx, w, down, shared[2] if shared is not None else None, down_cfg)
+
+
+def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None) -> torch.Tensor:
+    """The first launch: act [N * SLOTS, I] (SLOTS = K, + 1 with the shared expert's (gate, up))."""
+    mt.require_runnable(_moe_expert_gate_up_kernel, x.device)
+    N, D = x.shape
+    K, I = idx.shape[1], gate_up.shape[1] // 2
+    sg, su = (t.contiguous() for t in shared_gate_up) if shared_gate_up is not None else (gate_up, gate_up)
+    slots = K + (shared_gate_up is not None)
+    act = mt.empty(N * slots, I, dtype=x.dtype, device=x.device)
+    c = {**GATE_UP, **(cfg or {})}
+    bi, bd = min(c["BLOCK_I"], triton.next_power_of_2(I)), min(c["BLOCK_D"], triton.next_power_of_2(D))
+    _moe_expert_gate_up_kernel[(N * slots, triton.cdiv(I, bi))](x, idx, gate_up, sg, su, act, D, I, K, slots, bi, bd,
+                                                               num_warps=c["num_warps"])
+    return act
+
+
+def expert_down(act, idx, w, down, shared_down=None, cfg=None) -> torch.Tensor:
+    """The second launch: y [N, D] from act (`expert_gate_up`), the routing weights w [N, K] fp32 and w2."""
+    mt.require_runnable(_moe_expert_down_kernel, act.device)
+    N, K = idx.shape
+    D, I = down.shape[1], down.shape[2]
+    sd = shared_down.contiguous() if shared_down is not None else down
+    y = mt.empty(N, D, dtype=act.dtype, device=act.device)
+    c = {**DOWN, **(cfg or {})}
+    bd, bi = min(c["BLOCK_D"], triton.next_power_of_2(D)), min(c["BLOCK_I"], triton.next_power_of_2(I))
+    _moe_expert_down_kernel[(N, triton.cdiv(D, bd))](act, idx, w, down, sd, y, D, I, K, triton.next_power_of_2(K),
+                                                     shared_down is not None, bd, bi, num_warps=c["num_warps"])
     return y
 
 
 @triton.jit
-def _moe_route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  scaling, RENORM: tl.constexpr):
-    n = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_E)
-    mask = offs < E
-    s = tl.sigmoid(tl.load(logits_ptr + n * E + offs, mask=mask, other=0.0).to(tl.float32))
+def _topk_route(logit, offs, mask, bias_ptr, idx_ptr, w_ptr, scaling, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                RENORM: tl.constexpr):
+    """One token's routing from its logits [BLOCK_E] (lanes offs, valid where mask): the K best of
+    sigmoid + bias, their unbiased sigmoid weights (renormalised when RENORM) times scaling."""
+    s = tl.sigmoid(logit)
     choice = tl.where(mask, s + tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32), float("-inf"))
     offs_k = tl.arange(0, K)
     chosen_w = tl.zeros([K], dtype=tl.float32)
@@ -135,17 +190,81 @@ def _moe_route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E: tl.constexpr, K: 
         choice = tl.where(offs == i, float("-inf"), choice)
     if RENORM:
         chosen_w = chosen_w / (tl.sum(chosen_w, axis=0) + 1e-20)
-    tl.store(idx_ptr + n * K + offs_k, chosen_i.to(idx_ptr.dtype.element_ty))
-    tl.store(w_ptr + n * K + offs_k, chosen_w * scaling)
+    tl.store(idx_ptr + offs_k, chosen_i.to(idx_ptr.dtype.element_ty))
+    tl.store(w_ptr + offs_k, chosen_w * scaling)
+
+
+@triton.jit
+def _moe_route_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr,
+                  scaling, RENORM: tl.constexpr):
+    n = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < E
+    logit = tl.load(logits_ptr + n * E + offs, mask=mask, other=0.0).to(tl.float32)
+    _topk_route(logit, offs, mask, bias_ptr, idx_ptr + n * K, w_ptr + n * K, scaling, K, BLOCK_E, RENORM)
+
+
+def _check_k(k: int) -> None:
+    if k & (k - 1):
+        raise ValueError(f"top-k {k} must be a power of two for the Triton router")
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, renorm: bool):
-    """logits [N, E] fp32 router GEMV output -> (idx [N, k] int64, weights [N, k] fp32)."""
+    """logits [N, E] fp32 router GEMM output -> (idx [N, k] int64, weights [N, k] fp32)."""
     N, E = logits.shape
-    if k & (k - 1):
-        raise ValueError(f"top-k {k} must be a power of two for the Triton router")
-    idx = torch.empty(N, k, dtype=torch.int64, device=logits.device)
-    w = torch.empty(N, k, dtype=torch.float32, device=logits.device)
+    _check_k(k)
+    mt.require_runnable(_moe_route_kernel, logits.device)
+    idx = mt.empty(N, k, dtype=torch.int64, device=logits.device)
+    w = mt.empty(N, k, dtype=torch.float32, device=logits.device)
     _moe_route_kernel[(N,)](logits.contiguous(), bias.float().contiguous(), idx, w, E, k,
                         triton.next_power_of_2(E), float(scaling), bool(renorm))
+    return idx, w
+
+
+@triton.jit
+def _moe_router_kernel(x_ptr, wr_ptr, bias_ptr, logits_ptr, arrivals, idx_ptr, w_ptr, scaling, D: tl.constexpr,
+                       E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                       EP: tl.constexpr, RENORM: tl.constexpr):
+    """Logits of experts offs_e for token n (whole rows: BLOCK_D = D padded to a power of two), then, in the
+    token's last program to arrive, its routing. The logit of expert e is one fixed-order fp32 reduction."""
+    n = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask_e = offs_e < E
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    xv = tl.load(x_ptr + n * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    wv = tl.load(wr_ptr + offs_e[:, None] * D + offs_d[None, :], mask=mask_e[:, None] & mask_d[None, :],
+                 other=0.0).to(tl.float32)
+    tl.store(logits_ptr + n * E + offs_e, tl.sum(wv * xv[None, :], axis=1), mask=mask_e)
+    # Report in once every thread of this program has stored its logits (acq_rel atomic); the last of the
+    # token's programs reads all E logits (.cg: from L2, where the others' stores are) and routes the token.
+    tl.debug_barrier()
+    if tl.atomic_add(arrivals + n, 1) == tl.num_programs(1) - 1:
+        offs = tl.arange(0, EP)
+        mask = offs < E
+        logit = tl.load(logits_ptr + n * E + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        _topk_route(logit, offs, mask, bias_ptr, idx_ptr + n * K, w_ptr + n * K, scaling, K, EP, RENORM)
+        tl.atomic_xchg(arrivals + n, 0)
+
+
+def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, renorm: bool,
+                 cfg: dict | None = None):
+    """x [N, D], router weight [E, D] (fp32), correction bias [E] -> (idx [N, k] int64, weights [N, k] fp32):
+    the router GEMV and the routing in one launch. `cfg` overrides `ROUTER` (the benchmark's sweep)."""
+    N, D = x.shape
+    E = weight.shape[0]
+    if weight.shape[1] != D or bias.shape != (E,):
+        raise ValueError(f"router weight {tuple(weight.shape)} / bias {tuple(bias.shape)} do not fit x {tuple(x.shape)}")
+    _check_k(k)
+    mt.require_runnable(_moe_router_kernel, x.device)
+    c = {**ROUTER, **(cfg or {})}
+    be = min(c["BLOCK_E"], triton.next_power_of_2(E))
+    logits = mt.empty(N, E, dtype=torch.float32, device=x.device)
+    idx = mt.empty(N, k, dtype=torch.int64, device=x.device)
+    w = mt.empty(N, k, dtype=torch.float32, device=x.device)
+    _moe_router_kernel[(N, triton.cdiv(E, be))](
+        x.contiguous(), weight.contiguous(), bias.float().contiguous(), logits, _arrival_counters(x.device, N), idx,
+        w, float(scaling), D, E, k, be, triton.next_power_of_2(D), triton.next_power_of_2(E), bool(renorm),
+        num_warps=c["num_warps"])
     return idx, w
