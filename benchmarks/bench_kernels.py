@@ -471,12 +471,11 @@ def main(argv=None) -> None:
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
-    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "moe_decode"}
+    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode"}
     if unknown:
         raise SystemExit(f"unknown --ops {sorted(unknown)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
-    ops = args.ops.split(",")
     peer, peer_missing = None, None
     if {"chunk_kda", "kda_decode_step"} & set(ops):
         peer, peer_missing = load_fla()
