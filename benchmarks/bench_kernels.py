@@ -1,7 +1,7 @@
 """Kernel speed: our Triton kernels against a peer on the same inputs, in one process.
 
-    python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode] [--chunk-T 1024,8192,32768]
-        [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--rep-ms 200]
+    python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine]
+        [--chunk-T 1024,8192,32768] [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
 
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
@@ -16,6 +16,10 @@ FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=
   previous torch-einsum form (bf16 score and p@c einsums over the whole buffer, masked): peer "torch-einsum".
   Ours is also held against the fp32 torch reference (`rel_err_vs_fp32_ref`, must be <= 1e-4); `gbps` is
   the cache bytes read per call over ours' time.
+- prefill plumbing, batch 1, T tokens, the 48B's shapes, against the torch forms they replace (peer `torch`):
+  `causal_conv1d` (3*H*D channels, 4 taps, from carried taps: ours must match torch's bits, rel_err 0) and
+  `moe_combine` (T tokens x top-8 expert rows of 2304 plus the shared expert's, vs the index_add-into-fp32
+  combine the grouped MoE used before).
 Times are medians of `triton.testing.do_bench` (L2 flushed before each call, CUDA events: GPU time, as under
 the model's CUDA graph); decode shapes also record back-to-back eager times (host launch cost included).
 Outputs are compared in the same run (relative RMS error, fla as the reference). One `kernel` record per shape;
@@ -209,6 +213,47 @@ def mla_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     return res, reasons
 
 
+def conv_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
+    from model import kda
+    from model.triton.conv import causal_conv1d
+    gen = torch.Generator().manual_seed(T)
+    C = 3 * H * D
+    x = torch.randn(1, T, C, generator=gen).cuda().to(DTYPE)
+    w = (0.5 * torch.randn(C, W, generator=gen)).cuda().to(DTYPE)
+    taps = torch.randn(1, W - 1, C, generator=gen).cuda().to(DTYPE)
+    y, ref = causal_conv1d(x, w, taps)[0], kda.causal_conv1d(x, w, taps)[0]
+    res = {"ours_ms": gpu_ms(lambda: causal_conv1d(x, w, taps), rep_ms),
+           "peer_ms": gpu_ms(lambda: kda.causal_conv1d(x, w, taps), rep_ms), "rel_err_vs_peer": rel_err(y, ref),
+           "bits_differing": int((y != ref).sum()), "peer": f"torch-{torch.__version__}"}
+    return res, [] if res["bits_differing"] == 0 else [f"{res['bits_differing']} output elements differ from torch's"]
+
+
+def combine_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
+    from model.triton.moe_combine import moe_combine
+    gen = torch.Generator().manual_seed(T)
+    K, Dm = 8, 2304
+    out = torch.randn(T * K, Dm, generator=gen).cuda().to(DTYPE)
+    order = torch.randperm(T * K, generator=gen).cuda()       # row r of out holds pair order[r]
+    slot = torch.empty_like(order)
+    slot[order] = torch.arange(T * K, device="cuda")
+    w = torch.rand(T, K, generator=gen).cuda()
+    shared = torch.randn(T, Dm, generator=gen).cuda().to(DTYPE)
+
+    def index_add():  # the combine this replaced
+        y = torch.zeros(T, Dm, dtype=torch.float32, device="cuda")
+        y.index_add_(0, order // K, out.float() * w.view(-1)[order, None])
+        return (y + shared.float()).to(DTYPE)
+
+    y = moe_combine(out, slot.view(T, K), w, shared, DTYPE)
+    res = {"ours_ms": gpu_ms(lambda: moe_combine(out, slot.view(T, K), w, shared, DTYPE), rep_ms),
+           "peer_ms": gpu_ms(index_add, rep_ms), "rel_err_vs_peer": rel_err(y, index_add()),
+           "peer": f"torch-{torch.__version__} index_add"}
+    return res, []
+
+
+TORCH_PEER_CASES = {"causal_conv1d": conv_case, "moe_combine": combine_case}
+
+
 def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int) -> dict:
     from records import store
     params = {"op": op, "B": B, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
@@ -218,18 +263,22 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
     if op == "mla_decode":
         params.update(H=MLA_H, d=MLA_R + MLA_P, ours_scope="split-K kernel + combine, positions 0..T-1 read",
                       peer_scope="bf16 einsums + softmax over the whole T-position buffer")
+    if op in TORCH_PEER_CASES:
+        params.update(peer_scope="the torch form this replaces")
     log(f"{op} B={B} T={T} ...")
     try:
         if op == "mla_decode":
             results, reasons = mla_case(T, rep_ms)
+        elif op in TORCH_PEER_CASES:
+            results, reasons = TORCH_PEER_CASES[op](T, rep_ms)
         else:
             fn = chunk_case if op == "chunk_kda" else decode_case
             results, reasons = fn(T if op == "chunk_kda" else B, peer, rep_ms)
     except Exception as e:  # one failing shape must not end the run
         traceback.print_exc()
         results, reasons = {}, [f"{op} failed: {type(e).__name__}: {e}"]
-    results["peer"] = MLA_PEER if op == "mla_decode" else PEER
-    if op != "mla_decode":
+    results.setdefault("peer", MLA_PEER if op == "mla_decode" else PEER)
+    if op in ("chunk_kda", "kda_decode_step"):
         if peer is not None:
             results["peer_version"] = peer[2]
         if peer_missing:
@@ -461,17 +510,19 @@ def run_moe(Ns: list[int], sweep: bool, rep_ms: int, device: str = "cuda") -> li
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode",
-                    help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode")
+    ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode," + ",".join(TORCH_PEER_CASES),
+                    help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, "
+                         + ", ".join(TORCH_PEER_CASES))
     ap.add_argument("--chunk-T", default="1024,8192,32768")
     ap.add_argument("--decode-B", default="1,8,64")
     ap.add_argument("--mla-T", default="1024,32768,131072", help="mla_decode contexts (batch 1)")
+    ap.add_argument("--prefill-T", default="8192", help="token counts for the causal_conv1d and moe_combine cases")
     ap.add_argument("--moe-N", default="1,8", help="tokens per MoE decode step (moe_decode)")
     ap.add_argument("--moe-sweep", action="store_true", help="moe_decode: also time every tile config of the grid")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
-    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode"}
+    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", *TORCH_PEER_CASES}
     if unknown:
         raise SystemExit(f"unknown --ops {sorted(unknown)}")
     if not torch.cuda.is_available():
@@ -486,6 +537,8 @@ def main(argv=None) -> None:
              for B in args.decode_B.split(",") if B and "kda_decode_step" in ops]
     recs += [run_case("mla_decode", 1, int(T), None, None, args.rep_ms)
              for T in args.mla_T.split(",") if T and "mla_decode" in ops]
+    recs += [run_case(op, 1, int(T), None, None, args.rep_ms)
+             for T in args.prefill_T.split(",") if T for op in TORCH_PEER_CASES if op in ops]
     summarize(recs)
     if "moe_decode" in ops:
         run_moe([int(n) for n in args.moe_N.split(",") if n], args.moe_sweep, args.rep_ms)

@@ -24,7 +24,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("mla_attention", r"mla_|fmha|flash_fwd|flash_attn|softmax"),
     # Router glue: our moe_route*, the sigmoid router, torch.topk (sbtopk/mbtopk) and the sorts behind it.
     ("moe_routing", r"moe_route|sigmoid\w*rout|topk|top_k|sort"),
-    ("moe_experts", r"moe_expert|fused_moe"),
+    ("moe_experts", r"moe_expert|fused_moe|moe_combine"),
     # cuBLAS / cutlass / nvjet matmuls, incl. cuBLAS's split-K reduction that belongs to its GEMM.
     ("gemm", r"gemv|gemm|cutlass|xmma|nvjet|splitkreduce"),
     ("norm", r"rms_?norm|layer_?norm|l2_?norm|group_?norm"),

@@ -1,6 +1,11 @@
-"""Where a decode step's time goes: a PyTorch-profiler trace of N decode steps, kernels mapped to categories.
+"""Where a decode step's (or a prefill's) time goes: a PyTorch-profiler trace, kernels mapped to categories.
 
     python -m benchmarks.decompose [--preset 48b-a3b] [--steps 32] [--context 1024] [--modes eager,graph] [--quick]
+    python -m benchmarks.decompose --phase prefill [--context 8192] [--steps 2]
+
+`--phase prefill` traces `--steps` prefills of a random `--context`-token prompt, each from a fresh cache (its
+allocation included, as a new request would pay it), eager; the record's `step_ms` is then ms per prefill and
+`params.phase` says `prefill`. The rest of this text is about the default, `--phase decode`.
 
 A random prompt of `--context` tokens is prefilled, then each mode decodes greedily: `eager` is
 `model.decode_step` launched op by op from Python, `graph` the CUDA-graph decoder (`model.fast.GraphDecoder`).
@@ -45,6 +50,7 @@ TRACE_KEEP = {"cuda": set(GPU_CATS) | {"cuda_runtime", "cuda_driver", "user_anno
               "cpu": {"cpu_op", "user_annotation"}}
 PROFILER_WAIT, PROFILER_WARMUP = 1, 2  # steps the profiler skips, then traces but discards, before the active ones
 WARMUP_STEPS = 4
+PREFILL_WARMUP = 2  # prefills before timing: Triton compiles, cuBLAS / cutlass pick their kernels
 TOP_KERNELS = 15
 
 
@@ -135,6 +141,19 @@ def run_mode(model, mode: str, ids: torch.Tensor, steps: int, prefill_chunk: int
     return {"trace": trace, "unprofiled": unprofiled}
 
 
+@torch.no_grad()
+def run_prefill(model, ids: torch.Tensor, steps: int, device) -> dict:
+    """Prefills of `ids` from a fresh cache each: warm up, time without the profiler, then trace."""
+    def step():
+        model.prefill(ids, model.new_cache(ids.shape[0], ids.shape[1]))
+
+    for _ in range(PREFILL_WARMUP):
+        step()
+    unprofiled = time_steps(step, steps, device)
+    trace = profile_steps(step, steps, device)
+    return {"trace": trace, "unprofiled": unprofiled}
+
+
 def summarize_trace(events: list[dict], steps: int, mode: str, layers: int) -> tuple[dict, list[str]]:
     """(results, reasons that make the record INVALID) from one mode's device events."""
     per_step = len(events) / steps
@@ -182,6 +201,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.decompose", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny preset on the CPU (smoke test)")
+    ap.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--preset")
     ap.add_argument("--device")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
@@ -194,6 +214,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = ap.parse_args(argv)
     quick = dict(preset="tiny", device="cpu", dtype="float32", steps=4, context=16)
     full = dict(preset="48b-a3b", device="cuda", dtype="bfloat16", steps=32, context=1024)
+    if a.phase == "prefill":
+        quick, full = dict(quick, steps=2), dict(full, steps=2, context=8192)
     for k, v in (quick if a.quick else full).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -207,13 +229,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device_type = torch.device(a.device).type
 
     notes = []
+    if a.phase == "prefill":
+        modes = ["eager"]  # a prefill is launched op by op; --modes is about decode
     if "graph" in modes and (why := graph_unavailable(a.device)):
         log(f"graph mode not profiled: {why}")
         notes.append(f"graph mode not profiled: {why}")
         modes.remove("graph")
     modes.sort(key=MODES.index)  # eager first: the graph record, when there is one, is the latest
 
-    log(f"decompose: {a.preset} {a.dtype} on {a.device}, context {a.context}, {a.steps} steps, modes {modes}")
+    log(f"decompose {a.phase}: {a.preset} {a.dtype} on {a.device}, context {a.context}, {a.steps} steps, "
+        f"modes {modes}")
     loaded = load_model(a.preset, device=a.device, dtype=getattr(torch, a.dtype), seed=a.seed)
     model, cfg = loaded.model, loaded.cfg
     log(f"weights {loaded.source} {loaded.weights}")
@@ -222,18 +247,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     run_id = uuid.uuid4().hex[:12]
     records = []
     for mode in modes:
-        log(f"{mode}: prefill, warm-up, {a.steps} timed steps, {a.steps} profiled steps")
-        params = {"mode": mode, "steps": a.steps, "context": a.context, "batch": 1, "device": device_type,
-                  "run": run_id}
+        log(f"{a.phase} {mode}: warm-up, {a.steps} timed steps, {a.steps} profiled steps")
+        params = {"phase": a.phase, "mode": mode, "steps": a.steps, "context": a.context, "batch": 1,
+                  "device": device_type, "run": run_id}
         try:
-            out = run_mode(model, mode, ids, a.steps, a.prefill_chunk, a.device)
+            out = run_prefill(model, ids, a.steps, a.device) if a.phase == "prefill" else \
+                run_mode(model, mode, ids, a.steps, a.prefill_chunk, a.device)
         except Exception as e:  # e.g. a graph capture failing: keep the other mode's record, say what broke
             traceback.print_exc()
             out, results = None, {}
-            problems = [f"{mode} decode could not be traced: {type(e).__name__}: {str(e)[:500]}"]
+            problems = [f"{mode} {a.phase} could not be traced: {type(e).__name__}: {str(e)[:500]}"]
         if out is not None:
             events = trace_events(out["trace"], device_type)
-            path = Path(a.trace_dir) / f"decompose_{a.preset}_{mode}_ctx{a.context}_{run_id}.json.gz"
+            name = "prefill" if a.phase == "prefill" else mode
+            path = Path(a.trace_dir) / f"decompose_{a.preset}_{name}_ctx{a.context}_{run_id}.json.gz"
             size = write_trace(out["trace"], device_type, path)
             results, problems = summarize_trace(events, a.steps, mode, cfg.num_hidden_layers)
             results.update({"step_ms_unprofiled": summarize(out["unprofiled"].samples_ms)["median_ms"],

@@ -113,7 +113,7 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, head_d
 
     f is f_b(f_a(x)) of shape [..., H*head_dim]; A_log holds one value per head.
     """
-    x = (f.float() + dt_bias.float()).unflatten(-1, (-1, head_dim))
+    x = (f + dt_bias.float()).unflatten(-1, (-1, head_dim))   # promotes to fp32 exactly, without a cast copy of f
     return -A_log.float().reshape(-1, 1).exp() * F.softplus(x)
 
 

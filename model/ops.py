@@ -45,8 +45,15 @@ def _triton(t: torch.Tensor) -> bool:
 
 
 # ---- KDA --------------------------------------------------------------------------------------
-causal_conv1d = kda.causal_conv1d
 kda_gate = kda.kda_gate
+
+
+def causal_conv1d(x, weight, taps=None):
+    """Depthwise causal conv + SiLU over a span, from the carried taps: (y, new taps), as `kda.causal_conv1d`."""
+    if _triton(x):
+        from .triton.conv import causal_conv1d as triton_causal_conv1d
+        return triton_causal_conv1d(x, weight, taps)
+    return kda.causal_conv1d(x, weight, taps)
 
 
 def chunk_kda(q, k, v, g, beta, initial_state=None):
@@ -180,32 +187,48 @@ def moe_experts(x, idx, w, gate_up, down, shared=None):
 
     Decode-sized batches stream only the chosen experts' rows, the shared expert's in the same two launches
     (Triton); prefill-sized ones sort the (token, expert) pairs by expert and run two grouped GEMMs; the
-    loop is the reference."""
+    loop is the reference. All round once, from the fp32 sum with the shared expert included."""
     if _triton(x) and x.shape[0] <= SMALL_BATCH:
         from .triton.moe import fused_moe_small_batch
         sw = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
         return fused_moe_small_batch(x, idx, w, gate_up, down, sw)
+    s = None if shared is None else shared(x)
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
-        y = moe_experts_grouped(x, idx, w, gate_up, down)
-    else:
-        y = moe_experts_torch(x, idx, w, gate_up, down)
-    # one rounding of the fp32 sum, shared expert included (the fused kernel rounds at the same point)
-    return (y if shared is None else y + shared(x).float()).to(x.dtype)
+        return moe_experts_grouped(x, idx, w, gate_up, down, s)
+    y = moe_experts_torch(x, idx, w, gate_up, down)
+    return (y if s is None else y + s.float()).to(x.dtype)
 
 
-def moe_experts_grouped(x, idx, w, gate_up, down):
-    """Grouped-GEMM form: one GEMM launch per projection for all experts (prefill); fp32 result."""
+def moe_experts_grouped(x, idx, w, gate_up, down, shared_out=None):
+    """Grouped-GEMM form: one GEMM launch per projection for all experts (prefill), then `moe_combine`;
+    returns x's dtype."""
     N, K = idx.shape
     E, I = gate_up.shape[0], down.shape[2]
     flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    order = torch.argsort(flat, stable=True)              # (token, slot) pairs sorted by expert
     offs = torch.cumsum(torch.bincount(flat, minlength=E), 0, dtype=torch.int32)
-    tok = order // K
-    gu = F.grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs)
+    gu = F.grouped_mm(x[order // K], gate_up.transpose(1, 2), offs=offs)
     h = F.silu(gu[:, :I]) * gu[:, I:]
-    out = F.grouped_mm(h, down.transpose(1, 2), offs=offs).float() * w.reshape(-1)[order, None]
-    y = torch.zeros(N, down.shape[1], dtype=torch.float32, device=x.device)
-    return y.index_add_(0, tok, out)
+    out = F.grouped_mm(h, down.transpose(1, 2), offs=offs)
+    slot = torch.empty_like(order)
+    slot[order] = torch.arange(N * K, device=x.device)     # the row of `out` that holds pair (n, k)
+    return moe_combine(out, slot.view(N, K), w, shared_out, x.dtype)
+
+
+def moe_combine(out, slot, w, shared_out, dtype):
+    """y[n] = sum over k in order of w[n,k] * out[slot[n,k]], plus shared_out[n], in fp32, rounded once to
+    `dtype`. out [N*K, D] (rows in any order), slot/w [N, K], shared_out [N, D] or None. No atomics."""
+    if _triton(out):
+        from .triton.moe_combine import moe_combine as triton_moe_combine
+        return triton_moe_combine(out, slot, w, shared_out, dtype)
+    return moe_combine_torch(out, slot, w, shared_out, dtype)
+
+
+def moe_combine_torch(out, slot, w, shared_out, dtype):
+    y = torch.zeros(w.shape[0], out.shape[-1], dtype=torch.float32, device=out.device)
+    for k in range(w.shape[1]):
+        y = y + out[slot[:, k]].float() * w[:, k, None].float()
+    return (y if shared_out is None else y + shared_out.float()).to(dtype)
 
 
 def moe_experts_torch(x, idx, w, gate_up, down):

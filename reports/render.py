@@ -483,7 +483,7 @@ def build(loaded, out: Path) -> list[Section]:
         speed_section(of("bench"), out),
         history_section(of("bench"), out),
         gates_section(of("gate_a", "gate_b"), out),
-        decomposition_section(of("decomposition"), out),
+        decomposition_section([r for r in of("decomposition") if get(r, "params.phase", "decode") == "decode"], out),
         kernels_section(of("kernel"), out),
         memory_section(of("memory"), out),
     ]

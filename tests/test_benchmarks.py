@@ -219,6 +219,19 @@ def test_decompose_quick_end_to_end(records_dir, tmp_path):
     assert any(e.get("cat") == "cpu_op" for e in events)
 
 
+def test_decompose_prefill_quick(records_dir, tmp_path):
+    recs = decompose.main(["--quick", "--phase", "prefill", "--trace-dir", str(tmp_path / "traces")])
+    got = load(kinds="decomposition", root=records_dir).records
+    assert len(recs) == len(got) == 1
+    r = got[0]
+    assert r["verdict"] == "VALID" and r["params"]["phase"] == "prefill" and r["params"]["steps"] == 2
+    assert r["params"]["context"] == 16 and "prefill" in r["results"]["trace"]
+    q = r["results"]
+    assert sum(q["shares"].values()) == pytest.approx(1.0) and q["step_ms"] > 0
+    # a prefill runs every layer once over the prompt: far more operators than one decode step
+    assert q["kernels_per_step"] > 27
+
+
 def test_leaf_ops_keep_only_innermost():
     ev = [dict(name="aten::linear", ts=0, dur=10, pid=1, tid=1), dict(name="aten::mm", ts=1, dur=8, pid=1, tid=1),
           dict(name="aten::add", ts=12, dur=2, pid=1, tid=1), dict(name="aten::mm", ts=0, dur=5, pid=1, tid=2)]

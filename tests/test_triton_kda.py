@@ -518,6 +518,13 @@ def sm90_spills() -> dict:
                                                         **dict.fromkeys(["s_xb", "s_xh", "s_wh", "s_wk", "s_wn"],
                                                                         "i32")},
                                     dict(K=R, N=128, BP=16, BK=64, BN=64, BF16=True, MMA=True), num_warps=4)
+    from model.triton import conv, moe_combine
+    out["conv"] = stack_bytes(conv._causal_conv1d_kernel, {**dict.fromkeys(["x", "taps", "w", "y"], bf), "T": "i32",
+                                                          "C": "i32", "stride_xb": "i64", "stride_xt": "i64"},
+                              dict(W=4, HAS_TAPS=True, BT=32, BC=128, LIBDEVICE=True), num_warps=4)
+    out["moe_combine"] = stack_bytes(moe_combine._moe_combine_kernel, {"out": bf, "slot": "*i64", "w": f32,
+                                                                      "shared": bf, "y": bf, "D": "i32"},
+                                     dict(K=K, HAS_SHARED=True, BD=512), num_warps=4)
     out["control"] = stack_bytes(_segment_sums_kernel(broken=False), {"x": "*i32"}, dict(BT=4))
     try:
         out["broken"] = stack_bytes(_segment_sums_kernel(broken=True), {"x": "*i32"}, dict(BT=4))
@@ -545,6 +552,7 @@ def test_kernels_compile_for_the_h200():
     # measured trade-offs, see model/triton/kda_chunk.py: the 4-warp prep spills and is still the fastest
     assert spills["scan"] <= 16 and spills["prep"] <= 1280, spills
     assert spills["moe_router"] == 0, spills
+    assert spills["conv"] == 0 and spills["moe_combine"] == 0, spills
 
 
 # ---- real shapes on the GPU ---------------------------------------------------------------------

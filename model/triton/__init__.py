@@ -8,6 +8,8 @@
 - `mla_decode.mla_decode`: MLA decode attention over the latent cache, split-K with a combine (the twin of
   `model.ops.mla_decode_attention_torch`); `mla_decode.mla_absorb`: the absorbed up-projections in fp32
   (held against fp64 by tests/test_triton_mla.py).
+- `conv.causal_conv1d`: the short causal conv + SiLU over a prefill span, the twin of `model.kda.causal_conv1d`.
+- `moe_combine.moe_combine`: the grouped-GEMM MoE's combine, the twin of `model.ops.moe_combine_torch`.
 
 Triton chooses compiled (CUDA) or interpreted (CPU) kernels when a kernel module is first imported,
 from TRITON_INTERPRET (read by triton): set it to 1 before that import to run them on the CPU.

@@ -1,0 +1,142 @@
+"""Prefill-path kernels against their torch references: the causal depthwise conv (model/triton/conv.py vs
+model.kda.causal_conv1d) and the MoE combine (model/triton/moe_combine.py vs ops.moe_combine_torch, and
+that against the index_add form it replaced). Interpreter shapes on the CPU; `gpu` tests run the 48B's
+shapes and check that the conv rounds bit for bit like torch's CUDA conv. Kernel outputs are poisoned (NaN)
+before each run. The sm_90 compile/spill check for these kernels is in tests/test_triton_kda.py."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # also done by conftest.py; needed before the imports below
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402
+
+import model.triton as mt  # noqa: E402
+from model import kda, ops  # noqa: E402
+from model.layers import MLP  # noqa: E402
+from model.triton.conv import causal_conv1d  # noqa: E402
+from model.triton.moe_combine import moe_combine  # noqa: E402
+from tests.conftest import rel_err  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poisoned_buffers():
+    def nan_empty(*shape, dtype, device):
+        return torch.empty(*shape, dtype=dtype, device=device).fill_(float("nan"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mt, "empty", nan_empty)
+        yield
+
+
+# ---- causal depthwise conv --------------------------------------------------------------------------
+
+@given(B=st.integers(1, 2), T=st.sampled_from([1, 2, 3, 31, 33, 70]), C=st.sampled_from([4, 96, 130, 260]),
+       W=st.sampled_from([1, 2, 4]), with_taps=st.booleans(), strided=st.booleans(), seed=st.integers(0, 999))
+def test_conv_matches_torch(B, T, C, W, with_taps, strided, seed):
+    g = torch.Generator().manual_seed(seed)
+    # strided: x is a column slice of a wider projection output (rows longer than C), as a packed GEMM gives
+    wide = torch.randn(B, T, C + (5 if strided else 0), generator=g)
+    x = wide[..., :C]
+    w = torch.randn(C, W, generator=g) / W ** 0.5
+    taps = torch.randn(B, W - 1, C, generator=g) if with_taps else None
+    y, new_taps = causal_conv1d(x, w, taps)
+    ry, rtaps = kda.causal_conv1d(x, w, taps)
+    assert torch.isfinite(y).all()
+    assert y.shape == ry.shape and rel_err(y, ry) < 1e-6
+    assert torch.equal(new_taps, rtaps)
+
+
+def test_conv_chunks_carry_taps():
+    """Two spans from carried taps equal one span over both (the recompute/prefill-in-chunks contract)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 40, 48, generator=g), torch.randn(48, 4, generator=g)
+    y, taps = causal_conv1d(x, w)
+    y1, t1 = causal_conv1d(x[:, :2], w)
+    y2, t2 = causal_conv1d(x[:, 2:], w, t1)
+    assert rel_err(torch.cat([y1, y2], 1), y) < 1e-6 and torch.equal(t2, taps)
+
+
+def test_conv_rejects_wrong_shapes():
+    with pytest.raises(ValueError, match="do not fit"):
+        causal_conv1d(torch.randn(1, 4, 8), torch.randn(6, 4))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B,T,with_taps", [(1, 8192, False), (1, 8192, True), (1, 3, True), (4, 1000, True)])
+def test_gpu_conv_bf16_bit_exact(B, T, with_taps):
+    """The 48B's shape (3 * 32 * 128 channels, 4 taps) in bf16: identical bits to the torch form on CUDA."""
+    g = torch.Generator().manual_seed(T)
+    C, W = 3 * 32 * 128, 4
+    x = torch.randn(B, T, C, generator=g).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(C, W, generator=g) / 2).to(torch.bfloat16).to(DEV)
+    taps = torch.randn(B, W - 1, C, generator=g).to(torch.bfloat16).to(DEV) if with_taps else None
+    y, new_taps = causal_conv1d(x, w, taps)
+    ry, rtaps = kda.causal_conv1d(x, w, taps)
+    assert torch.equal(new_taps, rtaps)
+    diff = (y != ry).sum().item()
+    assert diff == 0, f"{diff} of {y.numel()} elements differ; max abs diff {(y.float() - ry.float()).abs().max()}"
+
+
+# ---- MoE combine ----------------------------------------------------------------------------------------
+
+def combine_inputs(N, K, D, seed, dtype=torch.float32, shared=True):
+    g = torch.Generator().manual_seed(seed)
+    out = torch.randn(N * K, D, generator=g).to(dtype).to(DEV)
+    slot = torch.randperm(N * K, generator=g).view(N, K).to(DEV)
+    w = torch.rand(N, K, generator=g).to(DEV)
+    s = torch.randn(N, D, generator=g).to(dtype).to(DEV) if shared else None
+    return out, slot, w, s
+
+
+@given(N=st.integers(1, 20), K=st.sampled_from([1, 3, 8]), D=st.sampled_from([8, 40, 600]), shared=st.booleans(),
+       seed=st.integers(0, 999))
+def test_combine_torch_matches_index_add(N, K, D, shared, seed):
+    """The atomic-free combine sums what the index_add form it replaced summed."""
+    out, slot, w, s = combine_inputs(N, K, D, seed, shared=shared)
+    order = torch.empty_like(slot.view(-1))
+    order[slot.view(-1)] = torch.arange(N * K, device=DEV)          # row r of out belongs to pair order[r]
+    ref = torch.zeros(N, D, device=DEV).index_add_(0, order // K, out * w.view(-1)[order, None])
+    ref = ref if s is None else ref + s
+    assert rel_err(ops.moe_combine_torch(out, slot, w, s, torch.float32), ref) < 1e-6
+
+
+@given(N=st.integers(1, 20), K=st.sampled_from([1, 3, 8]), D=st.sampled_from([8, 40, 600]), shared=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 999))
+def test_combine_kernel_matches_torch(N, K, D, shared, dtype, seed):
+    out, slot, w, s = combine_inputs(N, K, D, seed, dtype, shared)
+    y = moe_combine(out, slot, w, s, dtype)
+    ref = ops.moe_combine_torch(out, slot, w, s, dtype)
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    assert rel_err(y, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N", [17, 8192])
+def test_gpu_grouped_moe_real_shapes(N):
+    """The 48B's MoE (256 experts of 1024, top 8, D 2304, one shared expert) in bf16: the grouped-GEMM path
+    against the expert loop, both rounding once from the fp32 sum."""
+    g = torch.Generator(device=DEV).manual_seed(N)   # on the device: the expert weights are 3.6 GB
+    D, I, E, K, bf = 2304, 1024, 256, 8, torch.bfloat16
+    x = torch.randn(N, D, generator=g, device=DEV).to(bf)
+    gate_up = (torch.randn(E, 2 * I, D, generator=g, device=DEV) / D ** 0.5).to(bf)
+    down = (torch.randn(E, D, I, generator=g, device=DEV) / I ** 0.5).to(bf)
+    idx, w = ops.moe_route_torch(torch.randn(N, E, generator=g, device=DEV), torch.zeros(E, device=DEV), K, 2.446,
+                                 True)
+    shared = MLP(D, I).to(bf).to(DEV).requires_grad_(False)
+    for p in shared.parameters():
+        p.copy_((torch.randn(p.shape, generator=g, device=DEV) * p.shape[-1] ** -0.5).to(bf))
+    y = ops.moe_experts(x, idx, w, gate_up, down, shared)
+    ref = (ops.moe_experts_torch(x, idx, w, gate_up, down) + shared(x).float()).to(bf)
+    assert y.dtype == bf and torch.isfinite(y).all()
+    assert rel_err(y, ref) < 5e-3
+    assert (y == ref).float().mean() > 0.8   # the GEMMs' orders differ; rounding elsewhere would differ far more
+    again = ops.moe_experts(x, idx, w, gate_up, down, shared)
+    assert torch.equal(y, again), "the combine must be deterministic"
