@@ -221,7 +221,11 @@ def ours_decode(s: Settings, model, ids: torch.Tensor, make_decoder) -> dict:
 
 @torch.no_grad()
 def recompute_decode(s: Settings, model, ids: torch.Tensor) -> dict:
-    """Greedy steps that each run the whole sequence so far (the first one untimed, as warm-up)."""
+    """Greedy steps that each run the whole sequence so far (the first two untimed, as warm-up).
+
+    Two, because Triton compiles a kernel again when an integer argument stops being a multiple of 16 (its
+    specialisation): the warm-up at the context length (1024) and the next length (1025) compile both
+    variants; run ec54d32a79dd timed the second compile (4.7 s of a 2-step median, erratum record)."""
     state = {"ids": ids, "finite": []}
 
     def step():
@@ -229,6 +233,7 @@ def recompute_decode(s: Settings, model, ids: torch.Tensor) -> dict:
         state["finite"].append(torch.isfinite(logits).all())
         state["ids"] = torch.cat([state["ids"], logits.argmax(-1)[:, None]], dim=1)
 
+    step()
     step()
     samples = time_steps(step, s.recompute_steps, s.device)
     return {"samples": samples, "finite": bool(torch.stack(state["finite"]).all())}
