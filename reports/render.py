@@ -318,7 +318,19 @@ def diagnosis_row(r: dict, d: dict) -> list[str]:
     side = lambda which: f"{get(d, which + '.name', which)}: {get(d, which + '.token', '?')}"
     margin = lambda which: ("≥ " if get(d, which + ".lower_bound") else "") + fmt(get(d, which + ".nats"))
     return [short_id(r), r["kind"], commit(r), str(d.get("prompt")), str(d.get("step")), side("ref"), side("test"),
-            f"{margin('ref_margin')} / {margin('test_margin')}", fmt(d.get("eps")), str(d.get("verdict"))]
+            f"{margin('ref_margin')} / {margin('test_margin')}", fmt(d.get("eps")), str(d.get("verdict")),
+            noise_cell(r, d.get("prompt"))]
+
+
+def noise_cell(r: dict, prompt) -> str:
+    """Gate A's control (gates/compare.py NoiseCheck) for one prompt, when the run made one."""
+    n = next((p.get("noise") for p in get(r, "results.per_prompt", []) if p.get("prompt") == prompt), None)
+    if not n:
+        return "—"
+    ctrl = n.get("control_first_divergence")
+    return (f"{'within' if n.get('within_noise') else 'BEYOND'} ({n.get('control')} "
+            f"{'never diverged' if ctrl is None else f'diverged at step {ctrl}'}; max|dlogit| test "
+            f"{fmt(n.get('test_noise'))} vs control {fmt(n.get('control_noise'))})")
 
 
 def gates_section(gates: list[dict], out: Path) -> Section:
@@ -352,9 +364,10 @@ def gates_section(gates: list[dict], out: Path) -> Section:
     diag = [(r, d) for r in gates for d in get(r, "results.diagnoses", [])]
     if diag:
         s.blocks.append("Diagnoses of mismatches (gates/compare.py: first divergent step per prompt; near-tie = each "
-                        "token in the other's top-5 and both margins under eps):")
+                        "token in the other's top-5 and both margins under eps; noise floor = Gate A's control, the "
+                        "recompute path run again on the other kernels, held against the reference):")
         s.blocks.append(Table(["record", "gate", "commit", "prompt", "step", "reference chose", "tested chose",
-                               "margins (nats, ref / test)", "eps", "diagnosis"],
+                               "margins (nats, ref / test)", "eps", "diagnosis", "noise floor"],
                               [diagnosis_row(r, d) for r, d in diag], cite([r for r, _ in diag])))
     return s
 

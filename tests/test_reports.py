@@ -201,3 +201,16 @@ def test_an_erratum_removes_the_named_fields_from_the_report(tmp_path):
     summary = (tmp_path / "out" / "SUMMARY.md").read_text()
     assert "1,513" not in summary and "peer timing included autotuning" in summary
     assert "27,000" in summary
+
+
+def test_noise_floor_cell_reads_gate_a_control():
+    from reports.render import noise_cell
+    r = {"results": {"per_prompt": [
+        {"prompt": 0, "verdict": "real", "noise": {"control": "recompute[torch kernels]", "control_first_divergence": 2,
+                                                   "test_noise": 1.5, "control_noise": 2.0, "within_noise": True}},
+        {"prompt": 1, "verdict": "real", "noise": {"control": "recompute[torch kernels]", "control_first_divergence": None,
+                                                   "test_noise": 3.0, "control_noise": 0.01, "within_noise": False}},
+        {"prompt": 2, "verdict": "real"}]}}
+    assert noise_cell(r, 0).startswith("within (recompute[torch kernels] diverged at step 2")
+    assert noise_cell(r, 1).startswith("BEYOND (recompute[torch kernels] never diverged")
+    assert noise_cell(r, 2) == noise_cell(r, 7) == "—"
