@@ -55,7 +55,7 @@ def check(o, ref, tol, what):
 
 
 @given(B=st.sampled_from([1, 2]), H=st.sampled_from([2, 4]), R=st.sampled_from([32, 64]), L=st.integers(1, 300),
-       split=st.sampled_from([_BL, 2 * _BL]), where=st.sampled_from(["0", "boundary-1", "boundary", "last"]),
+       split=st.sampled_from([2 * _BL, 3 * _BL]), where=st.sampled_from(["0", "boundary-1", "boundary", "last"]),
        dtype=st.sampled_from(["fp32", "bf16"]), seed=st.integers(0, 999))
 def test_decode_matches_fp64(B, H, R, L, split, where, dtype, seed):
     P, scale = 16, 0.17
@@ -162,3 +162,23 @@ def test_gpu_absorb_real_shapes(B):
     check(mla_absorb(q_nope, w_uk), torch.einsum("bhn,hnr->bhr", q_nope.double(), w_uk.double()), 2e-6, "q_lat")
     check(mla_absorb(o_lat, w_uv.transpose(1, 2)), torch.einsum("bhr,hvr->bhv", o_lat.double(), w_uv.double()),
           2e-5, "o")
+
+
+def test_decode_refuses_a_split_that_compiles_to_the_spilling_variant():
+    from model.triton.mla_decode import MIN_SPLIT
+    q_lat, q_pe, c, k_pe = (torch.randn(1, 2, 32), torch.randn(1, 2, 16), torch.randn(1, 4 * _BL, 32),
+                            torch.randn(1, 4 * _BL, 16))
+    for bad in (_BL, MIN_SPLIT + 1):
+        with pytest.raises(ValueError, match="split must be a multiple"):
+            mla_decode(q_lat, q_pe, c, k_pe, torch.tensor(3), 0.2, split=bad)
+
+
+@pytest.mark.parametrize("pos_at", ["middle", "last"])
+def test_combine_merges_more_splits_than_one_tile(pos_at):
+    """40 splits: the combine merges them in [32, BR] tiles, so the second, partly masked tile must count too."""
+    B, H, R, P, split = 1, 2, 32, 16, 2 * _BL
+    L = 40 * split
+    q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, torch.float32, 7, sharp=0.5)
+    pos = torch.tensor({"middle": 35 * split + 3, "last": L - 1}[pos_at], device=DEV)
+    o = mla_decode(q_lat, q_pe, c, k_pe, pos, 0.17, split=split)
+    check(o, fp64_reference(q_lat, q_pe, c, k_pe, pos, 0.17), TOL[torch.float32], f"pos={int(pos)}")

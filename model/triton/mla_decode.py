@@ -98,8 +98,13 @@ def _mla_decode_split_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_pa
 
 @triton.jit
 def _mla_decode_combine_kernel(o_part, m_part, l_part, pos_ptr, out, SPLIT: tl.constexpr, NS: tl.constexpr,
-                               H: tl.constexpr, R: tl.constexpr, NSP: tl.constexpr, BR: tl.constexpr):
-    """out[b, h, r-block] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the splits that ran."""
+                               H: tl.constexpr, R: tl.constexpr, NSP: tl.constexpr, BR: tl.constexpr,
+                               SB: tl.constexpr):
+    """out[b, h, r-block] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the splits that ran.
+
+    The splits are merged SB at a time as one [SB, BR] tile (a fixed order: blocks in turn, a tree within a
+    block), not one after another: at 128k context there are ~130 splits, and a loop of dependent scalar
+    loads would wait on memory ~130 times."""
     i_b, i_h, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(pos_ptr).to(tl.int32) // SPLIT + 1       # splits that started at or before pos
     s = tl.arange(0, NSP)
@@ -109,9 +114,13 @@ def _mla_decode_combine_kernel(o_part, m_part, l_part, pos_ptr, out, SPLIT: tl.c
     denom = tl.sum(tl.exp2(ms - m) * ls, 0)
     r = i_r * BR + tl.arange(0, BR)
     acc = tl.zeros([BR], tl.float32)
-    for j in range(0, NS):  # splits past pos: masked, never read (their workspace is left unwritten)
-        w = tl.exp2(tl.load(m_part + (i_b * NS + j) * H + i_h, mask=j < n, other=float("-inf")) - m)
-        acc += w * tl.load(o_part + ((i_b * NS + j) * H + i_h) * R + r, mask=(r < R) & (j < n), other=0.)
+    for s0 in range(0, NS, SB):  # splits past pos: masked, never read (their workspace is left unwritten)
+        sb = s0 + tl.arange(0, SB)
+        live = sb < n
+        w = tl.exp2(tl.load(m_part + (i_b * NS + sb) * H + i_h, mask=live, other=float("-inf")) - m)
+        rows = tl.load(o_part + ((i_b * NS + sb[:, None]) * H + i_h) * R + r[None, :],
+                       mask=live[:, None] & (r < R)[None, :], other=0.)
+        acc += tl.sum(w[:, None] * rows, axis=0)
     tl.store(out + (i_b * H + i_h) * R + r, acc / denom, mask=r < R)
 
 
@@ -123,10 +132,18 @@ def _pad(n: int) -> int:
     return max(16, triton.next_power_of_2(n))   # tl.dot needs every dimension >= 16
 
 
+# At least two loop steps per split. With SPLIT == BL the loop is gone and ptxas builds a 32-register variant
+# that spills ~6 KB a thread (cuobjdump of the sm_90 build: 3,528 LDL, 2,647 STL); that variant took 129 us a
+# call inside the CUDA graph at 1k context (decomposition record b37af712), a quarter of the decode step.
+# Every SPLIT from 2*BL up compiles to the same spill-free 229-register kernel (tests/test_triton_kda.py).
+MIN_SPLIT = 2 * _BL
+
+
 def default_split(L: int, B: int, device: torch.device) -> int:
-    """Positions per split: about one program per SM when the whole buffer is in use, a multiple of _BL."""
+    """Positions per split: about one program per SM when the whole buffer is in use, a multiple of _BL, at
+    least MIN_SPLIT."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return _BL * triton.cdiv(triton.cdiv(L, max(1, sms // B)), _BL)
+    return max(MIN_SPLIT, _BL * triton.cdiv(triton.cdiv(L, max(1, sms // B)), _BL))
 
 
 def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None):
@@ -141,7 +158,8 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None):
     assert c.stride(-1) == 1 and k_pe.stride(-1) == 1 and q_pe.stride(-1) == 1
     mt.require_runnable(_mla_decode_split_kernel, c.device)
     split = split or default_split(L, B, c.device)
-    assert split % _BL == 0, split
+    if split % _BL or split < MIN_SPLIT:
+        raise ValueError(f"mla_decode: split must be a multiple of {_BL} and >= {MIN_SPLIT}, got {split}")
     ns = triton.cdiv(L, split)
     o_part = mt.empty(B, ns, H, R, dtype=torch.float32, device=c.device)
     m_part = mt.empty(B, ns, H, dtype=torch.float32, device=c.device)
@@ -155,8 +173,9 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None):
         BL=_BL if c.dtype == torch.bfloat16 else _BL_FP32, BF16=c.dtype == torch.bfloat16,
         MMA=_compiled(), num_warps=_WARPS)
     BR = min(RP, 128)
+    nsp = triton.next_power_of_2(ns)
     _mla_decode_combine_kernel[(B, H, triton.cdiv(R, BR))](o_part, m_part, l_part, pos, out, SPLIT=split, NS=ns,
-                                                          H=H, R=R, NSP=triton.next_power_of_2(ns), BR=BR)
+                                                          H=H, R=R, NSP=nsp, BR=BR, SB=min(nsp, 32))
     return out
 
 
