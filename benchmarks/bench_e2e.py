@@ -339,6 +339,16 @@ def measured(res: dict | None, reason: str | None, tokens: int, what: str) -> Ou
     return out
 
 
+def peer_measured(res: dict | None, reason: str | None, tokens: int, peer: str) -> Outcome:
+    """`measured` for a peer, except that a peer running out of memory is a skip, not a failure: it shares our
+    weights on one device, and at long contexts HF alone asks for more than is left (H200, 128k context: 128 GiB,
+    record 735d8fcb, which that OOM made INVALID although ours was measured). No peer figure either way."""
+    out = measured(res, reason, tokens, peer)
+    if res is None and reason.startswith("out of memory"):
+        out.reason, out.invalid = f"{peer} not measured (does not fit beside ours): {reason}", False
+    return out
+
+
 def groups(s: Settings) -> list[tuple[str, int]]:
     """(phase, context) in the order they run: cheapest first. At the recompute context, recompute goes before
     ours' decode, so a report that keys records by (phase, context) alone shows the graph decoder's, the later."""
@@ -462,7 +472,7 @@ class Bench:
                 res, err = attempt(lambda: hf_decode(self.hf, ids, s.peer_decode_tokens, s.device), s.device)
             else:
                 res, err = attempt(lambda: hf_prefill(self.hf, ids, s.peer_prefill_reps, s.device), s.device)
-        out = measured(res, err, T if phase == "prefill" else 1, peer)
+        out = peer_measured(res, err, T if phase == "prefill" else 1, peer)
         if out.tok_s:
             self.plan.learn(peer, phase, out.tok_s)
         return out

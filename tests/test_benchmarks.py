@@ -286,3 +286,12 @@ def test_moe_sweep_grid_holds_the_defaults():
     grid = bk.moe_sweep_grid()
     assert all(len(grid[k]) >= 5 for k in ("moe_gate_up", "moe_down", "moe_router"))
     assert moe.GATE_UP in grid["moe_gate_up"] and moe.DOWN in grid["moe_down"] and moe.ROUTER in grid["moe_router"]
+
+
+def test_a_peer_out_of_memory_is_a_skip_not_a_failure():
+    oom = bench_e2e.peer_measured(None, "out of memory: CUDA out of memory. Tried to allocate 128.00 GiB", 1, "hf")
+    assert not oom.invalid and oom.tok_s is None and oom.reason.startswith("hf not measured (does not fit")
+    crash = bench_e2e.peer_measured(None, "RuntimeError: boom", 1, "hf")
+    assert crash.invalid and crash.reason == "hf: RuntimeError: boom"
+    ours = bench_e2e.measured(None, "out of memory: CUDA out of memory.", 1, "ours")
+    assert ours.invalid  # our own OOM still voids the record
