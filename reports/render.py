@@ -409,10 +409,13 @@ def natural(text: str) -> list:
 
 
 def kernel_label(r: dict) -> str:
+    """`op` (bench_kernels' name; `kernel` in older records) and the shape parameters; the prose `*_scope`
+    parameters and a dtype repeated from the record are left to the record itself."""
     params = r["params"] or {}
-    name = params.get("kernel", "?")
-    rest = " ".join(f"{k}={v}" for k, v in sorted(params.items()) if k != "kernel")
-    return f"{name} {rest} {r['dtype']}".strip()
+    name = params.get("op", params.get("kernel", "?"))
+    rest = " ".join(f"{k}={v}" for k, v in sorted(params.items())
+                    if k not in ("op", "kernel", "dtype") and not k.endswith("_scope"))
+    return f"{name} {rest} {r['dtype'] or params.get('dtype', '')}".strip()
 
 
 def kernels_section(kernels: list[dict], out: Path) -> Section:
