@@ -28,7 +28,7 @@ and every record is INVALID with reason "peer unavailable: ...".
 
 `--ops moe_decode`: the batch-N decode MoE of 48B-A3B at its real shapes (random weights, one layer): the
 fused router (GEMV + top-k, one launch), the gate_up and down expert kernels, and the three in sequence
-(`moe_layer`), each against the previous kernels in the same run (see MoeCase), with achieved GB/s over the
+(`moe_layer`), each against PyTorch forms of the same part in the same run (see MoeCase), with GB/s over the
 bytes an ideal kernel reads, as a fraction of 4.25 TB/s and of the read ceiling measured in the run.
 `--moe-sweep` also times every tile config of `moe_sweep_grid` and logs the best per kernel; pick the
 defaults in model/triton/moe.py (GATE_UP, DOWN, ROUTER) from it.
@@ -321,11 +321,12 @@ def summarize(recs: list[dict]) -> None:
 
 
 # ---- MoE decode: router + routing, expert GEMVs -------------------------------------------------------
-# 48B-A3B shapes; bf16 experts, fp32 router weight. Peers, in the same run: the router is the previous path
-# (x.float(), cuBLAS fp32 GEMM, then `route`, three launches); the expert kernels are the previous kernels
-# (benchmarks/moe_prev.py, frozen), fed the same routing and activations.
+# 48B-A3B shapes; bf16 experts, fp32 router weight. Peers, in the same run, PyTorch forms of each part: the
+# router is the unfused path (x.float(), cuBLAS fp32 GEMM, then `route`); the expert parts gather the chosen
+# experts' weights and contract them with einsum (no host sync, as a graph needs), fed the same routing and
+# activations, rounding where the kernels round.
 MOE_E, MOE_D, MOE_I, MOE_K, MOE_SCALING = 256, 2304, 1024, 8, 2.446
-MOE_PEER = "prev-kernels@a526784"
+MOE_PEER = "torch-gather-einsum"
 NOMINAL_GBPS = 4250.0  # the H200's HBM figure the task is stated against; the measured read ceiling sits beside it
 MOE_PARTS = ("moe_router", "moe_gate_up", "moe_down", "moe_layer")
 
@@ -345,12 +346,31 @@ def moe_sweep_grid() -> dict[str, list[dict]]:
     return grid
 
 
+def torch_gate_up(x, idx, gate_up, sg, su):
+    """act [N*(K+1), I] as `moe.expert_gate_up` computes it: silu(w1 x) * (w3 x) per chosen expert, then the
+    shared expert; each projection rounded to x's dtype, as F.linear's."""
+    N, K = idx.shape
+    I = sg.shape[0]
+    w = torch.cat([gate_up[idx], torch.cat([sg, su])[None, None].expand(N, 1, 2 * I, -1)], dim=1)
+    g, u = torch.einsum("nkod,nd->nko", w, x).split(I, dim=-1)
+    return (torch.nn.functional.silu(g) * u).reshape(N * (K + 1), I)
+
+
+def torch_down(act, idx, w, down, sd):
+    """y [N, D] as `moe.expert_down` computes it: each expert's output rounded, weighted and summed in fp32,
+    the shared expert (weight 1) added, one rounding."""
+    N, K = idx.shape
+    a = act.view(N, K + 1, -1)
+    out = torch.einsum("nkdi,nki->nkd", down[idx], a[:, :K])
+    y = (out.float() * w[..., None]).sum(1) + torch.nn.functional.linear(a[:, K], sd).float()
+    return y.to(act.dtype)
+
+
 class MoeCase:
     """Random weights at the real shapes (one MoE layer) and N tokens; `fns(part, cfg)` gives (ours, peer)."""
 
     def __init__(self, N: int, device: str = "cuda"):
         import torch.nn.functional as F
-        from benchmarks.moe_prev import prev_down, prev_gate_up
         from model.triton import moe
         g = torch.Generator(device=device).manual_seed(N)
         self.device = device
@@ -372,9 +392,9 @@ class MoeCase:
         self.route = lambda cfg=None: moe.fused_router(self.x, self.wr, self.bias, K, MOE_SCALING, True, cfg)
         self.peer_route = lambda: moe.route(F.linear(self.x.float(), self.wr), self.bias, K, MOE_SCALING, True)
         self.ours_gu = lambda cfg=None: moe.expert_gate_up(self.x, self.idx, self.gate_up, (self.sg, self.su), cfg)
-        self.peer_gu = lambda: prev_gate_up(self.x, self.idx, self.gate_up, (self.sg, self.su))
+        self.peer_gu = lambda: torch_gate_up(self.x, self.idx, self.gate_up, self.sg, self.su)
         self.ours_dn = lambda cfg=None: moe.expert_down(self.act, self.idx, self.w, self.down, self.sd, cfg)
-        self.peer_dn = lambda: prev_down(self.act, self.idx, self.w, self.down, self.sd)
+        self.peer_dn = lambda: torch_down(self.act, self.idx, self.w, self.down, self.sd)
 
         def ours_layer():
             idx, w = self.route()
@@ -383,7 +403,7 @@ class MoeCase:
 
         def peer_layer():
             idx, w = self.peer_route()
-            return prev_down(prev_gate_up(self.x, idx, self.gate_up, (self.sg, self.su)), idx, w, self.down, self.sd)
+            return torch_down(torch_gate_up(self.x, idx, self.gate_up, self.sg, self.su), idx, w, self.down, self.sd)
 
         self.ours_layer, self.peer_layer = ours_layer, peer_layer
 

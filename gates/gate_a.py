@@ -49,6 +49,7 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
             subject = subject or load_subject(opts)
             hook = guard.step_hook()
             prompts, t_rec, t_inc, t_ctrl = [], 0.0, 0.0, 0.0
+            ctrl = control_kernels(opts, subject.model.device)
             for i, ids in enumerate(b.ids):
                 t = time.perf_counter()
                 rec = generate_recompute(subject.model, ids, opts.new_tokens, DEFAULT_TOPK, keep_logits=True,
@@ -59,7 +60,6 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
                                            step_hook=hook, decode=decode)
                 t_inc += time.perf_counter() - t
                 p = compare_prompt(i, rec, inc, eps, "recompute", "incremental")
-                ctrl = control_kernels(opts, subject.model.device)
                 if p.divergence is not None and ctrl is not None:
                     t = time.perf_counter()
                     with ops.use(ctrl):

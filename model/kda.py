@@ -131,4 +131,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor | No
     xx = torch.cat([taps.to(x.dtype), x], dim=1)                             # [B, W-1+T, C]
     y = F.conv1d(xx.transpose(1, 2).to(weight.dtype), weight[:, None, :], groups=C)  # [B, C, T]
     y = F.silu(y).transpose(1, 2).to(x.dtype)
-    return y, xx[:, -(W - 1):].clone() if W > 1 else xx[:, :0]
+    return y, carried_taps(x, taps, W)
+
+
+def carried_taps(x: torch.Tensor, taps: torch.Tensor | None, W: int) -> torch.Tensor:
+    """The last W-1 inputs of taps followed by x [B, T, C] (a new contiguous tensor, in x's dtype): what a
+    causal conv of W taps carries to the next call."""
+    B, T, C = x.shape
+    old = x.new_zeros(B, W - 1, C) if taps is None else taps.to(x.dtype)
+    if W == 1:
+        return x[:, :0]
+    return torch.cat([old, x[:, max(0, T - (W - 1)):]], dim=1)[:, -(W - 1):].contiguous()  # updated in place later

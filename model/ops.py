@@ -161,11 +161,12 @@ def moe_router(x, weight, bias, k: int, scaling: float, renorm: bool):
 
     Decode-sized batches run the GEMV and the routing in one launch (Triton); larger ones a GEMM then the
     routing kernel."""
-    if _triton(x) and not (k & (k - 1)) and x.shape[0] <= SMALL_BATCH:
+    triton = _triton(x) and not (k & (k - 1))  # the Triton top-k takes a power-of-two k
+    if triton and x.shape[0] <= SMALL_BATCH:
         from .triton.moe import fused_router
         return fused_router(x, weight, bias, k, scaling, renorm)
     logits = F.linear(x.float(), weight.float())
-    if _triton(x) and not (k & (k - 1)):
+    if triton:
         from .triton.moe import route
         return route(logits, bias, k, scaling, renorm)
     return moe_route_torch(logits, bias, k, scaling, renorm)

@@ -253,7 +253,7 @@ def test_graph_trace_without_kernels_is_invalid():
 
 def test_moe_decode_bench_plumbing(records_dir, monkeypatch):
     """`--ops moe_decode [--moe-sweep]` on the CPU through Triton's interpreter, at small shapes with a fake
-    clock: every part is compared with the previous kernels and recorded VALID with its bandwidth; the sweep
+    clock: every part is compared with its PyTorch form and recorded VALID with its bandwidth; the sweep
     records each config and every config computes what the peer does."""
     from benchmarks import bench_kernels as bk
     monkeypatch.setattr(bk, "MOE_E", 16)

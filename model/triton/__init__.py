@@ -22,6 +22,23 @@ def empty(*shape, dtype, device):
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
+# Arrival counters of the kernels whose last program to finish completes the work (the KDA decode step, the
+# fused MoE router): int32 zeros that such a program puts back to 0, so one buffer per device serves every
+# launch, CUDA-graph replays included. It is made once, large enough for any batch (B x heads), because a
+# captured graph keeps its address: it must never be replaced. One such kernel runs at a time per device.
+ARRIVAL_COUNTERS = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    if n > ARRIVAL_COUNTERS:
+        raise ValueError(f"{n} arrival counters asked for; the buffer holds {ARRIVAL_COUNTERS}")
+    buf = _counters.get(device)
+    if buf is None:
+        buf = _counters[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
 def require_runnable(kernel, device: torch.device) -> None:
     """Clear error instead of a Triton crash when a compiled kernel is handed CPU tensors."""
     if device.type != "cuda" and type(kernel).__name__ != "InterpretedFunction":

@@ -18,6 +18,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 import model.triton as mt
+from model.kda import carried_taps
 
 
 @triton.jit
@@ -76,8 +77,4 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor | No
         _causal_conv1d_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](
             x, taps, weight, y, T, C, x.stride(0), x.stride(1), W=W, HAS_TAPS=taps is not None, BT=BT, BC=BC,
             LIBDEVICE=x.is_cuda, num_warps=4)
-    # the last W-1 inputs, carried to the next call: tiny, so torch
-    if W == 1:
-        return y, x[:, :0]
-    old = x.new_zeros(B, W - 1, C) if taps is None else taps.to(x.dtype)
-    return y, torch.cat([old, x[:, max(0, T - (W - 1)):]], dim=1)[:, -(W - 1):]
+    return y, carried_taps(x, taps, W)  # the last W-1 inputs, carried to the next call: tiny, so torch

@@ -14,18 +14,6 @@ import model.triton as mt
 
 
 _BV = 32  # state columns per program
-_NUM_WARPS = 4
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 [>= n] zeros, kept per device: the decode kernel counts each head's finished blocks here and
-    puts the count back to 0, so the buffer is reused by every launch (also inside a CUDA graph, once a
-    launch outside it has created the buffer). One decode step at a time per device."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _counters[device] = torch.zeros(n, dtype=torch.int32, device=device)
-    return buf
 
 
 @triton.jit
@@ -147,7 +135,7 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
 def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, scale=None, *,
                      out_gate=None, norm_weight=None, norm_eps=1e-5):
     """One KDA decode step for B sequences, one launch (one program per sequence, head and block of 32
-    state columns; a small int32 counter buffer per device, kept by this module, lets the last block of
+    state columns; a counter buffer per device (`model.triton.arrival_counters`) lets the last block of
     each head finish it: one decode step at a time per device).
 
     qkv_raw [B, 3*H*d]: the q|k|v projections before the conv (model dtype).
@@ -205,7 +193,7 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     o = mt.empty(B, H, D, dtype=qkv_raw.dtype, device=state.device)
     BV = min(D, _BV)
     _kda_decode_kernel[(B * H, D // BV)](qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, o,
-                                     out_gate, norm_weight, _arrival_counters(state.device, B * H),
+                                     out_gate, norm_weight, mt.arrival_counters(state.device, B * H),
                                      scale, float(norm_eps), H=H, D=D, W=W, WP=triton.next_power_of_2(W - 1),
-                                     BV=BV, HAS_NORM=norm_weight is not None, num_warps=_NUM_WARPS)
+                                     BV=BV, HAS_NORM=norm_weight is not None, num_warps=4)
     return o

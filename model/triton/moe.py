@@ -17,7 +17,7 @@ Three launches per MoE layer, routing kept on the device (no host sync, graph-ca
 The shared expert rides along as slot K of gate_up and beside the K slots in down.
 
 Tile sizes and launch options are parameters (`GATE_UP`, `DOWN`, `ROUTER` hold the defaults);
-`python -m benchmarks.bench_kernels --op moe_decode --moe-sweep` times a grid of them on the GPU.
+`python -m benchmarks.bench_kernels --ops moe_decode --moe-sweep` times a grid of them on the GPU.
 The references are `model.ops.moe_experts_torch` and `model.ops.moe_router` under `ops.use("torch")`.
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 import model.triton as mt
-from model.triton.kda_decode import _arrival_counters
 
 # Launch defaults (tiles and num_warps), chosen for batch-1 decode at D=2304, I=1024, K=8+1.
 # Triton does not software-pipeline these loads (no tl.dot), so the bytes in flight come from the tile of one
@@ -264,7 +263,7 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     idx = mt.empty(N, k, dtype=torch.int64, device=x.device)
     w = mt.empty(N, k, dtype=torch.float32, device=x.device)
     _moe_router_kernel[(N, triton.cdiv(E, be))](
-        x.contiguous(), weight.contiguous(), bias.float().contiguous(), logits, _arrival_counters(x.device, N), idx,
+        x.contiguous(), weight.contiguous(), bias.float().contiguous(), logits, mt.arrival_counters(x.device, N), idx,
         w, float(scaling), D, E, k, be, triton.next_power_of_2(D), triton.next_power_of_2(E), bool(renorm),
         num_warps=c["num_warps"])
     return idx, w
