@@ -518,6 +518,17 @@ def sm90_spills() -> dict:
                                                                           "s_kpe_b", "s_kpe_l"], "i32")},
                                         dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL_FP32, BF16=False,
                                              MMA=True), num_warps=ml._WARPS)
+    try:  # the shared-memory bound must be able to fail: the fp32 tile the H200 refused (BL=64, 377 KB)
+        stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": f32, "c": f32, "k_pe": f32, "pos_ptr": "*i64",
+                                                  **dict.fromkeys(["o_part", "m_part", "l_part"], f32),
+                                                  "qk_scale": "fp32", **dict.fromkeys(
+                                                      ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l", "s_kpe_b", "s_kpe_l"],
+                                                      "i32")},
+                    dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=1024, BL=64, BF16=False, MMA=True),
+                    num_warps=ml._WARPS)
+        out["smem_guard"] = "missed"
+    except AssertionError as e:
+        out["smem_guard"] = "caught" if "shared memory" in str(e) else str(e)
     out["mla_combine"] = stack_bytes(ml._mla_decode_combine_kernel, {**dict.fromkeys(["o_part", "m_part", "l_part"],
                                                                                      f32), "pos_ptr": "*i64",
                                                                      "out": f32},
@@ -553,6 +564,7 @@ def test_kernels_compile_for_the_h200():
     assert child.returncode == 0, child.stderr[-4000:]
     spills = json.loads(child.stdout.strip().splitlines()[-1])
     assert spills["control"] == 0 and spills["broken"] is None, "the compile check cannot tell good from bad"
+    assert spills["smem_guard"] == "caught", spills["smem_guard"]
     assert spills["decode"] == 0 and spills["norm"] == 0, spills
     assert spills["moe_gate_up"] == 0 and spills["moe_down"] == 0 and spills["moe_route"] == 0, spills
     assert spills["mla_split"] == 0 and spills["mla_combine"] == 0 and spills["mla_absorb"] == 0, spills

@@ -230,3 +230,13 @@ def test_gpu_real_shapes(N, no_tf32):
             torch.cuda.synchronize()
             assert torch.equal(gi, ridx2) and torch.equal(gw, rw2)
             assert torch.equal(gy, ops.moe_experts(x, ridx2, rw2, gate_up, down, shared))
+
+
+def test_arrival_counters_are_one_buffer_made_once():
+    """A captured CUDA graph keeps the counters' address: asking for more must never replace the buffer."""
+    import model.triton as mt
+    dev = torch.device("cpu")
+    first = mt.arrival_counters(dev, 4)
+    assert mt.arrival_counters(dev, mt.ARRIVAL_COUNTERS) is first and not first.any()
+    with pytest.raises(ValueError, match="arrival counters"):
+        mt.arrival_counters(dev, mt.ARRIVAL_COUNTERS + 1)
