@@ -327,23 +327,32 @@ def summarize(recs: list[dict]) -> None:
 # activations, rounding where the kernels round.
 MOE_E, MOE_D, MOE_I, MOE_K, MOE_SCALING = 256, 2304, 1024, 8, 2.446
 MOE_PEER = "torch-gather-einsum"
+MOE_ROTATE = 32  # calls per timed CUDA graph, each on its own router, experts and shared expert (see graph_ms)
+MOE_TIMING = f"cuda-graph of {MOE_ROTATE} layers' calls, median of 20 replays, per call"
 NOMINAL_GBPS = 4250.0  # the H200's HBM figure the task is stated against; the measured read ceiling sits beside it
 MOE_PARTS = ("moe_router", "moe_gate_up", "moe_down", "moe_layer")
 
 
 def moe_sweep_grid() -> dict[str, list[dict]]:
-    """Tile configs the sweep times, per kernel: those whose one-step tile is at most 256 bytes a thread
-    (beyond that the loads spill registers)."""
+    """Tile configs the sweep times, per kernel. Register ("gemv") forms: those whose one-step tile is at most 256
+    bytes a thread (beyond that the loads spill registers). Tensor-core ("mma") forms: tiles and pipeline depths
+    whose stages fit well inside the 227 KB of shared memory."""
     kp = MOE_K
-    grid = {
-        "moe_gate_up": [dict(BLOCK_I=bi, BLOCK_D=bd, num_warps=nw) for bi in (4, 8, 16, 32)
-                        for bd in (128, 256, 512) for nw in (4, 8) if 2 * bi * bd * 2 <= 256 * 32 * nw],
-        "moe_down": [dict(BLOCK_D=bd, BLOCK_I=bi, num_warps=nw) for bd in (1, 2, 4, 8)
-                     for bi in (256, 512, 1024) for nw in (4, 8) if (kp + 1) * bd * bi * 2 <= 256 * 32 * nw],
-        "moe_router": [dict(BLOCK_E=be, num_warps=nw) for be in (1, 2, 4, 8) for nw in (4, 8)
-                       if be * 4096 * 4 <= 256 * 32 * nw],
-    }
-    return grid
+    gemv_gu = [dict(impl="gemv", BLOCK_I=bi, BLOCK_D=bd, num_warps=nw) for bi in (4, 8, 16, 32)
+               for bd in (128, 256, 512) for nw in (4, 8) if 2 * bi * bd * 2 <= 256 * 32 * nw]
+    mma_gu = [dict(impl="mma", BLOCK_I=bi, BLOCK_D=bd, num_warps=nw, num_stages=ns)
+              for bi, bd, ns in ((16, 128, 4), (16, 256, 3), (16, 256, 4), (16, 512, 2), (32, 128, 3), (32, 128, 4),
+                                 (32, 256, 3), (64, 64, 4), (64, 128, 3))
+              for nw in (4, 8) if nw == 4 or bi >= 32]
+    gemv_dn = [dict(impl="gemv", BLOCK_D=bd, BLOCK_I=bi, num_warps=nw) for bd in (1, 2, 4, 8)
+               for bi in (256, 512, 1024) for nw in (4, 8) if (kp + 1) * bd * bi * 2 <= 256 * 32 * nw]
+    mma_dn = [dict(impl="mma", BLOCK_D=bd, BLOCK_I=bi, num_warps=nw, num_stages=ns)
+              for bd, bi, ns in ((16, 128, 4), (16, 256, 3), (16, 256, 4), (16, 512, 3), (16, 1024, 2), (32, 128, 4),
+                                 (32, 256, 3), (64, 128, 3))
+              for nw in (4, 8) if nw == 4 or bd >= 32]
+    return {"moe_gate_up": mma_gu + gemv_gu, "moe_down": mma_dn + gemv_dn,
+            "moe_router": [dict(BLOCK_E=be, num_warps=nw) for be in (1, 2, 4, 8) for nw in (4, 8)
+                           if be * 4096 * 4 <= 256 * 32 * nw]}
 
 
 def torch_gate_up(x, idx, gate_up, sg, su):
@@ -366,52 +375,94 @@ def torch_down(act, idx, w, down, sd):
     return y.to(act.dtype)
 
 
+def graph_ms(calls, reps: int = 20) -> float:
+    """Median GPU time per call of `calls`, captured back to back in one CUDA graph and replayed. As under the
+    model's decode graph: no host launch cost between kernels, and, since each call reads other weights (as each
+    of the model's layers reads its own), the weights come cold from HBM; a single repeated call would find a
+    good part of its 85 MB in the 50 MB L2, and do_bench's L2 flush leaves dirty lines whose write-back competes
+    with the reads of a 20-40 us kernel."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: compilation, allocator
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in marks:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    ms = sorted(start.elapsed_time(end) for start, end in marks)
+    return ms[len(ms) // 2] / len(calls)
+
+
 class MoeCase:
-    """Random weights at the real shapes (one MoE layer) and N tokens; `fns(part, cfg)` gives (ours, peer)."""
+    """Random weights at the real shapes for MOE_ROTATE layers and N tokens. `fns(part, cfg)` gives (ours, peer)
+    on the first layer, for the comparison; `calls(part, cfg)` gives both sides' calls over all the layers, for
+    timing (graph_ms)."""
 
     def __init__(self, N: int, device: str = "cuda"):
         import torch.nn.functional as F
         from model.triton import moe
         g = torch.Generator(device=device).manual_seed(N)
         self.device = device
-        E, D, I, K = MOE_E, MOE_D, MOE_I, MOE_K
+        E, D, I, K, R = MOE_E, MOE_D, MOE_I, MOE_K, MOE_ROTATE
 
         def rnd(*shape, scale, dtype=DTYPE):
             return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
 
         self.x = rnd(N, D, scale=1.0)
-        self.wr, self.bias = rnd(E, D, scale=D ** -0.5, dtype=torch.float32), rnd(E, scale=0.01, dtype=torch.float32)
+        # the routed experts are shared by the layers (the routers spread the layers over them); each layer has
+        # its own router and shared expert
         self.gate_up, self.down = rnd(E, 2 * I, D, scale=D ** -0.5), rnd(E, D, I, scale=I ** -0.5)
-        self.sg, self.su, self.sd = rnd(I, D, scale=D ** -0.5), rnd(I, D, scale=D ** -0.5), rnd(D, I, scale=I ** -0.5)
-        self.idx, self.w = moe.fused_router(self.x, self.wr, self.bias, K, MOE_SCALING, True)
-        self.act = moe.expert_gate_up(self.x, self.idx, self.gate_up, (self.sg, self.su))
-        experts = int(torch.unique(self.idx).numel()) + 1  # distinct experts read, the shared one included
-        # bytes a perfect kernel reads from HBM: each distinct expert's weights once, the router weight once
-        self.bytes = {"moe_router": E * D * 4, "moe_gate_up": experts * 2 * I * D * 2, "moe_down": experts * D * I * 2}
+        layers = []
+        for _ in range(R):
+            wr, bias = rnd(E, D, scale=D ** -0.5, dtype=torch.float32), rnd(E, scale=0.01, dtype=torch.float32)
+            sg, su, sd = rnd(I, D, scale=D ** -0.5), rnd(I, D, scale=D ** -0.5), rnd(D, I, scale=I ** -0.5)
+            idx, w = moe.fused_router(self.x, wr, bias, K, MOE_SCALING, True)
+            act = moe.expert_gate_up(self.x, idx, self.gate_up, (sg, su))
+            layers.append(dict(wr=wr, bias=bias, sg=sg, su=su, sd=sd, idx=idx, w=w, act=act))
+        self.layers = layers
+        # bytes a perfect kernel reads from HBM per layer (mean over the layers): each distinct expert's weights
+        # once, the shared expert's, the router weight once
+        experts = sum(int(torch.unique(L["idx"]).numel()) + 1 for L in layers) / R
+        self.bytes = {"moe_router": E * D * 4, "moe_gate_up": round(experts * 2 * I * D * 2),
+                      "moe_down": round(experts * D * I * 2)}
         self.bytes["moe_layer"] = sum(self.bytes.values())
-        self.route = lambda cfg=None: moe.fused_router(self.x, self.wr, self.bias, K, MOE_SCALING, True, cfg)
-        self.peer_route = lambda: moe.route(F.linear(self.x.float(), self.wr), self.bias, K, MOE_SCALING, True)
-        self.ours_gu = lambda cfg=None: moe.expert_gate_up(self.x, self.idx, self.gate_up, (self.sg, self.su), cfg)
-        self.peer_gu = lambda: torch_gate_up(self.x, self.idx, self.gate_up, self.sg, self.su)
-        self.ours_dn = lambda cfg=None: moe.expert_down(self.act, self.idx, self.w, self.down, self.sd, cfg)
-        self.peer_dn = lambda: torch_down(self.act, self.idx, self.w, self.down, self.sd)
+        x, gu, dn = self.x, self.gate_up, self.down
 
-        def ours_layer():
-            idx, w = self.route()
-            return moe.expert_down(moe.expert_gate_up(self.x, idx, self.gate_up, (self.sg, self.su)), idx, w,
-                                   self.down, self.sd)
+        def parts(L, cfg):
+            return {"moe_router": (lambda: moe.fused_router(x, L["wr"], L["bias"], K, MOE_SCALING, True, cfg),
+                                   lambda: moe.route(F.linear(x.float(), L["wr"]), L["bias"], K, MOE_SCALING, True)),
+                    "moe_gate_up": (lambda: moe.expert_gate_up(x, L["idx"], gu, (L["sg"], L["su"]), cfg),
+                                    lambda: torch_gate_up(x, L["idx"], gu, L["sg"], L["su"])),
+                    "moe_down": (lambda: moe.expert_down(L["act"], L["idx"], L["w"], dn, L["sd"], cfg),
+                                 lambda: torch_down(L["act"], L["idx"], L["w"], dn, L["sd"])),
+                    "moe_layer": (lambda: ours_layer(L), lambda: peer_layer(L))}
 
-        def peer_layer():
-            idx, w = self.peer_route()
-            return torch_down(torch_gate_up(self.x, idx, self.gate_up, self.sg, self.su), idx, w, self.down, self.sd)
+        def ours_layer(L):
+            idx, w = moe.fused_router(x, L["wr"], L["bias"], K, MOE_SCALING, True)
+            return moe.expert_down(moe.expert_gate_up(x, idx, gu, (L["sg"], L["su"])), idx, w, dn, L["sd"])
 
-        self.ours_layer, self.peer_layer = ours_layer, peer_layer
+        def peer_layer(L):
+            idx, w = moe.route(F.linear(x.float(), L["wr"]), L["bias"], K, MOE_SCALING, True)
+            return torch_down(torch_gate_up(x, idx, gu, L["sg"], L["su"]), idx, w, dn, L["sd"])
+
+        self._parts = parts
 
     def fns(self, part: str, cfg: dict | None = None):
-        return {"moe_router": (lambda: self.route(cfg), self.peer_route),
-                "moe_gate_up": (lambda: self.ours_gu(cfg), self.peer_gu),
-                "moe_down": (lambda: self.ours_dn(cfg), self.peer_dn),
-                "moe_layer": (self.ours_layer, self.peer_layer)}[part]
+        return self._parts(self.layers[0], cfg)[part]
+
+    def calls(self, part: str, cfg: dict | None = None):
+        pairs = [self._parts(L, cfg)[part] for L in self.layers]
+        return [o for o, _ in pairs], [p for _, p in pairs]
 
 
 def moe_compare(part: str, ours, theirs) -> tuple[dict, list[str]]:
@@ -435,9 +486,10 @@ def moe_measure(case: MoeCase, part: str, cfg: dict | None, rep_ms: int, hbm_gbp
     same = all(torch.equal(a, b) for a, b in zip(first, again)) if part == "moe_router" else torch.equal(first, again)
     if not same:
         reasons.append("ours is not deterministic: two runs on the same inputs differ")
-    res["ours_ms"] = gpu_ms(ours, rep_ms)
-    res["peer_ms"] = peer_ms if peer_ms is not None else gpu_ms(theirs, rep_ms)
-    res["peer"], res["bytes"] = MOE_PEER, case.bytes[part]
+    ours_calls, peer_calls = case.calls(part, cfg)
+    res["ours_ms"] = graph_ms(ours_calls)
+    res["peer_ms"] = peer_ms if peer_ms is not None else graph_ms(peer_calls)
+    res["peer"], res["bytes"], res["timing"] = MOE_PEER, case.bytes[part], MOE_TIMING
     for who in ("ours", "peer"):
         gbps = case.bytes[part] / (res[f"{who}_ms"] / 1e3) / 1e9
         res[f"{who}_gbps"], res[f"{who}_frac_of_nominal"] = gbps, gbps / NOMINAL_GBPS
