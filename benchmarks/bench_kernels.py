@@ -30,6 +30,8 @@ and every record is INVALID with reason "peer unavailable: ...".
 fused router (GEMV + top-k, one launch), the gate_up and down expert kernels, and the three in sequence
 (`moe_layer`), each against PyTorch forms of the same part in the same run (see MoeCase), with GB/s over the
 bytes an ideal kernel reads, as a fraction of 4.25 TB/s and of the read ceiling measured in the run.
+These are timed by `graph_ms`, not do_bench: 32 layers' calls (each layer its own router, shared expert and
+routed experts) captured in one CUDA graph, as the model's decode step runs them.
 `--moe-sweep` also times every tile config of `moe_sweep_grid` and logs the best per kernel; pick the
 defaults in model/triton/moe.py (GATE_UP, DOWN, ROUTER) from it.
 """
@@ -334,25 +336,17 @@ MOE_PARTS = ("moe_router", "moe_gate_up", "moe_down", "moe_layer")
 
 
 def moe_sweep_grid() -> dict[str, list[dict]]:
-    """Tile configs the sweep times, per kernel. Register ("gemv") forms: those whose one-step tile is at most 256
-    bytes a thread (beyond that the loads spill registers). Tensor-core ("mma") forms: tiles and pipeline depths
-    whose stages fit well inside the 227 KB of shared memory."""
+    """Tile configs the sweep times, per kernel: those whose one-step tile is at most 256 bytes a thread (beyond
+    that the loads spill registers)."""
     kp = MOE_K
-    gemv_gu = [dict(impl="gemv", BLOCK_I=bi, BLOCK_D=bd, num_warps=nw) for bi in (4, 8, 16, 32)
-               for bd in (128, 256, 512) for nw in (4, 8) if 2 * bi * bd * 2 <= 256 * 32 * nw]
-    mma_gu = [dict(impl="mma", BLOCK_I=bi, BLOCK_D=bd, num_warps=nw, num_stages=ns)
-              for bi, bd, ns in ((16, 128, 4), (16, 256, 3), (16, 256, 4), (16, 512, 2), (32, 128, 3), (32, 128, 4),
-                                 (32, 256, 3), (64, 64, 4), (64, 128, 3))
-              for nw in (4, 8) if nw == 4 or bi >= 32]
-    gemv_dn = [dict(impl="gemv", BLOCK_D=bd, BLOCK_I=bi, num_warps=nw) for bd in (1, 2, 4, 8)
-               for bi in (256, 512, 1024) for nw in (4, 8) if (kp + 1) * bd * bi * 2 <= 256 * 32 * nw]
-    mma_dn = [dict(impl="mma", BLOCK_D=bd, BLOCK_I=bi, num_warps=nw, num_stages=ns)
-              for bd, bi, ns in ((16, 128, 4), (16, 256, 3), (16, 256, 4), (16, 512, 3), (16, 1024, 2), (32, 128, 4),
-                                 (32, 256, 3), (64, 128, 3))
-              for nw in (4, 8) if nw == 4 or bd >= 32]
-    return {"moe_gate_up": mma_gu + gemv_gu, "moe_down": mma_dn + gemv_dn,
-            "moe_router": [dict(BLOCK_E=be, num_warps=nw) for be in (1, 2, 4, 8) for nw in (4, 8)
-                           if be * 4096 * 4 <= 256 * 32 * nw]}
+    return {
+        "moe_gate_up": [dict(BLOCK_I=bi, BLOCK_D=bd, num_warps=nw) for bi in (4, 8, 16, 32)
+                        for bd in (128, 256, 512) for nw in (4, 8) if 2 * bi * bd * 2 <= 256 * 32 * nw],
+        "moe_down": [dict(BLOCK_D=bd, BLOCK_I=bi, num_warps=nw) for bd in (1, 2, 4, 8)
+                     for bi in (256, 512, 1024) for nw in (4, 8) if (kp + 1) * bd * bi * 2 <= 256 * 32 * nw],
+        "moe_router": [dict(BLOCK_E=be, num_warps=nw) for be in (1, 2, 4, 8) for nw in (4, 8)
+                       if be * 4096 * 4 <= 256 * 32 * nw],
+    }
 
 
 def torch_gate_up(x, idx, gate_up, sg, su):

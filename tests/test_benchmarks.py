@@ -263,11 +263,8 @@ def test_moe_decode_bench_plumbing(records_dir, monkeypatch):
     monkeypatch.setattr(bk, "MOE_ROTATE", 3)
     monkeypatch.setattr(bk, "graph_ms", lambda calls: ([c() for c in calls], 0.01)[1])
     monkeypatch.setattr(roofline, "measure_read_gbps", lambda device, nbytes, reps: 4000.0)
-    grid = {"moe_gate_up": [dict(impl="gemv", BLOCK_I=8, BLOCK_D=32, num_warps=4),
-                            dict(impl="mma", BLOCK_I=16, BLOCK_D=32, num_warps=4, num_stages=2)],
-            "moe_down": [dict(impl="gemv", BLOCK_D=2, BLOCK_I=16, num_warps=4),
-                         dict(impl="mma", BLOCK_D=16, BLOCK_I=16, num_warps=4, num_stages=2)],
-            "moe_router": [dict(BLOCK_E=4, num_warps=4)]}
+    grid = {"moe_gate_up": [dict(BLOCK_I=8, BLOCK_D=32, num_warps=4), dict(BLOCK_I=4, BLOCK_D=64, num_warps=4)],
+            "moe_down": [dict(BLOCK_D=2, BLOCK_I=16, num_warps=4)], "moe_router": [dict(BLOCK_E=4, num_warps=4)]}
     monkeypatch.setattr(bk, "moe_sweep_grid", lambda: grid)
     recs = bk.run_moe([2], sweep=True, rep_ms=1, device="cpu")
     assert [r["params"]["kernel"] for r in recs] == list(bk.MOE_PARTS) + [k for k, v in grid.items() for _ in v]
@@ -280,8 +277,8 @@ def test_moe_decode_bench_plumbing(records_dir, monkeypatch):
     assert layer["bytes"] == router["bytes"] + gate_up["bytes"] + down["bytes"]
     assert layer["ours_gbps"] == pytest.approx(layer["bytes"] / 1e-5 / 1e9)
     assert layer["ours_frac_of_measured"] == pytest.approx(layer["ours_gbps"] / 4000.0)
-    assert recs[4]["params"]["sweep"] and recs[4]["params"]["cfg"]["impl"] == "gemv"
-    assert recs[5]["params"]["cfg"]["impl"] == "mma" and recs[5]["results"]["timing"].startswith("cuda-graph")
+    assert recs[4]["params"]["sweep"] and recs[4]["params"]["cfg"] == grid["moe_gate_up"][0]
+    assert recs[5]["params"]["cfg"] == grid["moe_gate_up"][1] and recs[5]["results"]["timing"].startswith("cuda-graph")
 
 
 def test_moe_sweep_grid_holds_the_defaults():

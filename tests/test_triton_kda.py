@@ -479,17 +479,11 @@ def sm90_spills() -> dict:
     gu_sig = {"x_ptr": bf, "idx_ptr": "*i64", "w_ptr": bf, "sg_ptr": bf, "su_ptr": bf, "act_ptr": bf}
     dn_sig = {"act_ptr": bf, "idx_ptr": "*i64", "wt_ptr": f32, "w_ptr": bf, "sd_ptr": bf, "y_ptr": bf}
     out["moe_gate_up"] = stack_bytes(moe._moe_expert_gate_up_kernel, gu_sig,
-                                     dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_I=16, BLOCK_D=256), num_warps=4)
+                                     dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_I=gu["BLOCK_I"], BLOCK_D=gu["BLOCK_D"]),
+                                     num_warps=gu["num_warps"])
     out["moe_down"] = stack_bytes(moe._moe_expert_down_kernel, dn_sig,
-                                  dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=4, BLOCK_I=512), num_warps=8)
-    out["moe_gate_up_mma"] = stack_bytes(moe._moe_expert_gate_up_mma_kernel, gu_sig,
-                                         dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_I=gu["BLOCK_I"], BLOCK_D=gu["BLOCK_D"],
-                                              EVEN_D=True, EVEN_I=True, EXACT=False),
-                                         num_warps=gu["num_warps"], num_stages=gu["num_stages"])
-    out["moe_down_mma"] = stack_bytes(moe._moe_expert_down_mma_kernel, dn_sig,
-                                      dict(D=D, I=I, K=K, SHARED=True, COLS=16, BLOCK_D=dn["BLOCK_D"],
-                                           BLOCK_I=dn["BLOCK_I"], EVEN_D=True, EVEN_I=True, EXACT=False),
-                                      num_warps=dn["num_warps"], num_stages=dn["num_stages"])
+                                  dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"]),
+                                  num_warps=dn["num_warps"])
     out["moe_route"] = stack_bytes(moe._moe_route_kernel, {"logits_ptr": f32, "bias_ptr": f32, "idx_ptr": "*i64",
                                                           "w_ptr": f32, "scaling": "fp32"},
                                    dict(E=256, K=K, BLOCK_E=256, RENORM=True))
@@ -573,7 +567,6 @@ def test_kernels_compile_for_the_h200():
     assert spills["smem_guard"] == "caught", spills["smem_guard"]
     assert spills["decode"] == 0 and spills["norm"] == 0, spills
     assert spills["moe_gate_up"] == 0 and spills["moe_down"] == 0 and spills["moe_route"] == 0, spills
-    assert spills["moe_gate_up_mma"] == 0 and spills["moe_down_mma"] == 0, spills
     assert spills["mla_split"] == 0 and spills["mla_combine"] == 0 and spills["mla_absorb"] == 0, spills
     assert spills["mla_split_fp32"] == 0 and spills["mla_split_min"] == 0, spills
     # measured trade-offs, see model/triton/kda_chunk.py: the 4-warp prep spills and is still the fastest

@@ -28,22 +28,22 @@ import triton.language as tl
 
 import model.triton as mt
 
-# Launch defaults (tiles and num_warps), chosen for batch-1 decode at D=2304, I=1024, K=8+1.
+# Launch defaults (tiles and num_warps), chosen for batch-1 decode at D=2304, I=1024, K=8+1, from the sweep of
+# `bench_kernels --ops moe_decode --moe-sweep`, timed as the model runs them: a CUDA graph over 32 layers'
+# weights, cold from HBM (records of run 6619988, N=1: gate_up 24.5 us `ee5e7f29`, down 14.2 us `22b0a6b2`,
+# router 6.7 us `9d333668`). An earlier sweep timed single calls after do_bench's L2 flush and picked tiles that
+# the graph runs at 36.8 us `4bc2d9ce` and 22.8 us `4ce73bda`.
 # Triton does not software-pipeline these loads (no tl.dot), so the bytes in flight come from the tile of one
 # step times the programs resident per SM (all 16-byte vector loads at these shapes; no register spills).
-# gate_up: 16 rows x 256 columns of w1 and of w3 per step (16 KB), 9 steps over D (2304 = 9 * 256, no masked
-#   step); 576 programs at batch 1, 56 registers a thread: all resident at once (~4.4 per SM).
-# down: [8 slots, 4 rows, 512 columns] of w2 per step (32 KB, plus the shared expert's 4 KB), 2 steps over
-#   I; 576 programs at batch 1, each reading the 18 KB of activations once per 4 output rows.
-# router: 2 rows of the fp32 router weight (18 KB) in one step; 128 programs per token.
-# impl "mma": the same GEMVs written as tensor-core dots against the activation broadcast to 16 columns (down:
-#   slot s's activation in column s, so the 9 slots' outputs stay apart in one accumulator). The MMA does 16x the
-#   needed arithmetic, which costs nothing here; what it buys is Triton's software pipeline: the weight tiles
-#   stream through shared memory by cp.async, num_stages deep, so the bytes in flight no longer depend on
-#   registers or on how many programs fit on an SM. impl "gemv": the register form, one step's tile in flight.
-GATE_UP = dict(impl="mma", BLOCK_I=16, BLOCK_D=256, num_warps=4, num_stages=3)
-DOWN = dict(impl="mma", BLOCK_D=16, BLOCK_I=256, num_warps=4, num_stages=4)
-ROUTER = dict(BLOCK_E=2, num_warps=4)
+# Tensor-core forms of both (weight tiles through shared memory by cp.async, num_stages deep) were measured in
+# the same sweep and were no faster: gate_up 24.8 us at best `e3ee2e75`, down 27.3 us `be678a81`.
+# gate_up: 16 rows x 256 columns of w1 and of w3 per step (16 KB) over 8 warps, 9 steps over D; 576 programs.
+# down: one output row of all 8 chosen w2's and the shared expert's, the whole I=1024 in one step (18 KB);
+#   2304 programs at batch 1.
+# router: one row of the fp32 router weight (9 KB) a program; 256 programs per token.
+GATE_UP = dict(BLOCK_I=16, BLOCK_D=256, num_warps=8)
+DOWN = dict(BLOCK_D=1, BLOCK_I=1024, num_warps=4)
+ROUTER = dict(BLOCK_E=1, num_warps=4)
 
 
 @triton.jit
@@ -125,103 +125,6 @@ def _moe_expert_down_kernel(act_ptr, idx_ptr, wt_ptr, w_ptr, sd_ptr, y_ptr, D: t
     tl.store(y_ptr + n * D + offs_d, y.to(DT), mask=mask_d)
 
 
-@triton.jit
-def _dot(a, b, acc, EXACT: tl.constexpr):
-    """acc + a @ b with exact products: tensor cores for bf16/fp16 operands; IEEE fp32 when EXACT (fp32 weights,
-    where tf32 would round the inputs to 10 bits, and the interpreter, whose bf16 tl.dot is wrong in Triton 3.6:
-    bf16 values are exact in fp32, so that is the same sum)."""
-    if EXACT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _moe_expert_gate_up_mma_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D: tl.constexpr, I: tl.constexpr,
-                                   K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_I: tl.constexpr,
-                                   BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, EVEN_I: tl.constexpr,
-                                   EXACT: tl.constexpr):
-    """`_moe_expert_gate_up_kernel` as dots: [BLOCK_I, BLOCK_D] weight tiles times x broadcast to 16 columns
-    (all equal; column 0 is read out)."""
-    pid = tl.program_id(0)
-    pid_i = tl.program_id(1)
-    n = pid // SLOTS
-    k = pid % SLOTS
-    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask_i = offs_i < I
-    if k < K:
-        e = tl.load(idx_ptr + n * K + k).to(tl.int64)
-        w_gate = w_ptr + e * (2 * I * D) + offs_i[:, None] * D
-        w_up = w_gate + I * D
-    else:
-        w_gate = sg_ptr + offs_i[:, None] * D
-        w_up = su_ptr + offs_i[:, None] * D
-    cols = tl.arange(0, 16)
-    acc_g = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        if EVEN_D and EVEN_I:
-            xv = tl.load(x_ptr + n * D + offs_d)
-            wg = tl.load(w_gate + offs_d[None, :])
-            wu = tl.load(w_up + offs_d[None, :])
-        else:
-            mask_d = offs_d < D
-            m = mask_i[:, None] & mask_d[None, :]
-            xv = tl.load(x_ptr + n * D + offs_d, mask=mask_d, other=0.0)
-            wg = tl.load(w_gate + offs_d[None, :], mask=m, other=0.0)
-            wu = tl.load(w_up + offs_d[None, :], mask=m, other=0.0)
-        xb = tl.broadcast_to(xv[:, None], (BLOCK_D, 16))
-        acc_g = _dot(wg, xb, acc_g, EXACT)
-        acc_u = _dot(wu, xb, acc_u, EXACT)
-    DT = act_ptr.dtype.element_ty
-    first = cols[None, :] == 0
-    g = tl.sum(tl.where(first, acc_g, 0.0), axis=1).to(DT).to(tl.float32)
-    s = (g * tl.sigmoid(g)).to(DT).to(tl.float32)
-    h = s * tl.sum(tl.where(first, acc_u, 0.0), axis=1).to(DT).to(tl.float32)
-    tl.store(act_ptr + pid * I + offs_i, h.to(DT), mask=mask_i)
-
-
-@triton.jit
-def _moe_expert_down_mma_kernel(act_ptr, idx_ptr, wt_ptr, w_ptr, sd_ptr, y_ptr, D: tl.constexpr, I: tl.constexpr,
-                                K: tl.constexpr, SHARED: tl.constexpr, COLS: tl.constexpr, BLOCK_D: tl.constexpr,
-                                BLOCK_I: tl.constexpr, EVEN_D: tl.constexpr, EVEN_I: tl.constexpr,
-                                EXACT: tl.constexpr):
-    """`_moe_expert_down_kernel` as dots: one loop over (slot, I-tile) pairs, so the pipeline never drains
-    between slots; slot s's activation tile sits in column s of the right-hand side (COLS >= slots), which keeps
-    each slot's output in its own accumulator column for the per-expert rounding."""
-    n = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    SLOTS: tl.constexpr = K + SHARED
-    NI: tl.constexpr = (I + BLOCK_I - 1) // BLOCK_I
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    cols = tl.arange(0, COLS)
-    experts = tl.load(idx_ptr + n * K + cols, mask=cols < K, other=0).to(tl.int64)
-    acc = tl.zeros([BLOCK_D, COLS], dtype=tl.float32)
-    for t in range(0, SLOTS * NI):
-        s = t // NI
-        offs_i = (t % NI) * BLOCK_I + tl.arange(0, BLOCK_I)
-        e = tl.sum(tl.where(cols == s, experts, 0), axis=0)
-        rows = tl.where(s < K, w_ptr + e * (D * I), sd_ptr) + offs_d[:, None] * I
-        if EVEN_D and EVEN_I:
-            wd = tl.load(rows + offs_i[None, :])
-            a = tl.load(act_ptr + (n * SLOTS + s) * I + offs_i)
-        else:
-            mask_i = offs_i < I
-            wd = tl.load(rows + offs_i[None, :], mask=mask_d[:, None] & mask_i[None, :], other=0.0)
-            a = tl.load(act_ptr + (n * SLOTS + s) * I + offs_i, mask=mask_i, other=0.0)
-        acc = _dot(wd, tl.where(cols[None, :] == s, a[:, None], 0.0).to(a.dtype), acc, EXACT)
-    # As the register form: each expert's output rounded, weighted in fp32, summed over the slots in a fixed tree
-    # order (the shared expert, weight 1, in its column), one rounding of the sum.
-    DT = y_ptr.dtype.element_ty
-    wk = tl.load(wt_ptr + n * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-    if SHARED:
-        wk = tl.where(cols == K, 1.0, wk)
-    y = tl.sum(acc.to(DT).to(tl.float32) * wk[None, :], axis=1)
-    tl.store(y_ptr + n * D + offs_d, y.to(DT), mask=mask_d)
-
-
 def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
                           down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                           gate_up_cfg: dict | None = None, down_cfg: dict | None = None) -> torch.Tensor:
@@ -243,11 +146,6 @@ def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, g
     return expert_down(act, idx, w, down, shared[2] if shared is not None else None, down_cfg)
 
 
-def _exact(t: torch.Tensor) -> bool:
-    """IEEE fp32 dots (see `_dot`) for fp32 weights and under the interpreter."""
-    return t.dtype == torch.float32 or type(_moe_expert_gate_up_mma_kernel).__name__ == "InterpretedFunction"
-
-
 def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None) -> torch.Tensor:
     """The first launch: act [N * SLOTS, I] (SLOTS = K, + 1 with the shared expert's (gate, up))."""
     mt.require_runnable(_moe_expert_gate_up_kernel, x.device)
@@ -257,12 +155,6 @@ def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None) -> torch.Tens
     slots = K + (shared_gate_up is not None)
     act = mt.empty(N * slots, I, dtype=x.dtype, device=x.device)
     c = {**GATE_UP, **(cfg or {})}
-    if c["impl"] == "mma":  # dot operands are at least 16 x 16
-        bi, bd = max(16, min(c["BLOCK_I"], triton.next_power_of_2(I))), max(16, min(c["BLOCK_D"], triton.next_power_of_2(D)))
-        _moe_expert_gate_up_mma_kernel[(N * slots, triton.cdiv(I, bi))](
-            x, idx, gate_up, sg, su, act, D, I, K, slots, bi, bd, D % bd == 0, I % bi == 0, _exact(x),
-            num_warps=c["num_warps"], num_stages=c["num_stages"])
-        return act
     bi, bd = min(c["BLOCK_I"], triton.next_power_of_2(I)), min(c["BLOCK_D"], triton.next_power_of_2(D))
     _moe_expert_gate_up_kernel[(N * slots, triton.cdiv(I, bi))](x, idx, gate_up, sg, su, act, D, I, K, slots, bi, bd,
                                                                num_warps=c["num_warps"])
@@ -277,13 +169,6 @@ def expert_down(act, idx, w, down, shared_down=None, cfg=None) -> torch.Tensor:
     sd = shared_down.contiguous() if shared_down is not None else down
     y = mt.empty(N, D, dtype=act.dtype, device=act.device)
     c = {**DOWN, **(cfg or {})}
-    if c["impl"] == "mma":
-        bd, bi = max(16, min(c["BLOCK_D"], triton.next_power_of_2(D))), max(16, min(c["BLOCK_I"], triton.next_power_of_2(I)))
-        cols = max(16, triton.next_power_of_2(K + (shared_down is not None)))
-        _moe_expert_down_mma_kernel[(N, triton.cdiv(D, bd))](
-            act, idx, w, down, sd, y, D, I, K, shared_down is not None, cols, bd, bi, D % bd == 0, I % bi == 0,
-            _exact(act), num_warps=c["num_warps"], num_stages=c["num_stages"])
-        return y
     bd, bi = min(c["BLOCK_D"], triton.next_power_of_2(D)), min(c["BLOCK_I"], triton.next_power_of_2(I))
     _moe_expert_down_kernel[(N, triton.cdiv(D, bd))](act, idx, w, down, sd, y, D, I, K, triton.next_power_of_2(K),
                                                      shared_down is not None, bd, bi, num_warps=c["num_warps"])
