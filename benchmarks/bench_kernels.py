@@ -181,6 +181,60 @@ def decode_case(B: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
     return res, reasons
 
 
+DECODE_SWEEP = [dict(BV=bv, num_warps=nw) for bv in (8, 16, 32, 64) for nw in (1, 2, 4, 8) if bv * nw <= 256]
+
+
+def decode_sweep(B: int) -> list[dict]:
+    """Our decode step at each config of DECODE_SWEEP, timed as the model runs it (`graph_ms` over 32 layers,
+    each with its own state and conv taps), the output checked against the default's. One record per config."""
+    from model.triton.kda_decode import DECODE, fused_kda_decode
+    from records import store
+    gen = torch.Generator().manual_seed(B)
+    C = 3 * H * D
+    qkv_raw = torch.randn(B, C, generator=gen).cuda().to(DTYPE)
+    conv_w = (0.5 * torch.randn(C, W, generator=gen)).cuda().to(DTYPE)
+    f = torch.randn(B, H * D, generator=gen).cuda().to(DTYPE)
+    A_log, dt_bias = (torch.rand(H, generator=gen) * 3 - 1).cuda(), torch.randn(H * D, generator=gen).cuda()
+    b_raw, out_gate = torch.randn(B, H, generator=gen).cuda().to(DTYPE), torch.randn(B, H * D, generator=gen).cuda().to(DTYPE)
+    norm_w = (1 + 0.1 * torch.randn(D, generator=gen)).cuda().to(DTYPE)
+    layers = [(torch.randn(B, H, D, D, device="cuda"), torch.randn(B, W - 1, C, device="cuda").to(DTYPE))
+              for _ in range(MOE_ROTATE)]
+
+    def step(L, cfg):
+        return fused_kda_decode(qkv_raw, L[1].clone(), conv_w, f, A_log, dt_bias, b_raw, L[0].clone(),
+                                out_gate=out_gate, norm_weight=norm_w, cfg=cfg)
+
+    ref = step(layers[0], None)
+    recs, best = [], None
+    for cfg in DECODE_SWEEP:
+        reasons = []
+        try:
+            err = rel_err(step(layers[0], cfg), ref)
+            if not err <= 1e-5:
+                reasons.append(f"differs from the default config: relative RMS error {err:.3g}")
+            results = {"ours_ms": graph_ms([lambda L=L: fused_kda_decode(qkv_raw, L[1], conv_w, f, A_log, dt_bias,
+                                                                         b_raw, L[0], out_gate=out_gate,
+                                                                         norm_weight=norm_w, cfg=cfg)
+                                            for L in layers]),
+                       "rel_err_vs_default": err, "timing": MOE_TIMING}
+        except Exception as e:  # a config that fails to compile or run is recorded and skipped
+            traceback.print_exc()
+            results, reasons = {}, [f"{cfg} failed: {type(e).__name__}: {e}"]
+        params = {"op": "kda_decode_step", "B": B, "T": 1, "H": H, "d": D, "dtype": "bfloat16", "sweep": True,
+                  "cfg": {**DECODE, **cfg}}
+        rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=torch.cuda.get_device_name(),
+                                weights=None, params=params, results=results,
+                                verdict="INVALID" if reasons else "VALID", reasons=reasons)
+        store.append(rec)
+        recs.append(rec)
+        log(f"  kda_decode_step B={B:<3d} {cfg}  ours={_ms(results.get('ours_ms'))} (graph)  {rec['verdict']}")
+        if not reasons and (best is None or results["ours_ms"] < best[1]):
+            best = (cfg, results["ours_ms"])
+    if best is not None:
+        log(f"  best kda_decode_step B={B}: {best[0]} {best[1] * 1e3:.1f} us")
+    return recs
+
+
 def einsum_mla_decode(q_lat, q_pe, c, k_pe, pos, scale):
     """The model's MLA decode attention before the split-K kernel: bf16 einsums over the whole buffer."""
     s = torch.einsum("bhr,blr->bhl", q_lat.to(c.dtype), c).float() + torch.einsum("bhp,blp->bhl", q_pe, k_pe).float()
@@ -585,6 +639,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill-T", default="8192", help="token counts for the causal_conv1d and moe_combine cases")
     ap.add_argument("--moe-N", default="1,8", help="tokens per MoE decode step (moe_decode)")
     ap.add_argument("--moe-sweep", action="store_true", help="moe_decode: also time every tile config of the grid")
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="kda_decode_step: also time every config of DECODE_SWEEP (CUDA-graph timing)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
@@ -601,6 +657,9 @@ def main(argv=None) -> None:
             for T in args.chunk_T.split(",") if T and "chunk_kda" in ops]
     recs += [run_case("kda_decode_step", int(B), 1, peer, peer_missing, args.rep_ms)
              for B in args.decode_B.split(",") if B and "kda_decode_step" in ops]
+    if args.decode_sweep and "kda_decode_step" in ops:
+        for B in (int(b) for b in args.decode_B.split(",") if b):
+            decode_sweep(B)
     recs += [run_case("mla_decode", 1, int(T), None, None, args.rep_ms)
              for T in args.mla_T.split(",") if T and "mla_decode" in ops]
     recs += [run_case(op, 1, int(T), None, None, args.rep_ms)

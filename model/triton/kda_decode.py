@@ -13,7 +13,9 @@ import triton.language as tl
 import model.triton as mt
 
 
-_BV = 32  # state columns per program
+# Launch defaults: state columns per program and warps; `bench_kernels --ops kda_decode_step --decode-sweep`
+# times the alternatives.
+DECODE = dict(BV=32, num_warps=4)
 
 
 @triton.jit
@@ -133,7 +135,7 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
 
 
 def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, scale=None, *,
-                     out_gate=None, norm_weight=None, norm_eps=1e-5):
+                     out_gate=None, norm_weight=None, norm_eps=1e-5, cfg: dict | None = None):
     """One KDA decode step for B sequences, one launch (one program per sequence, head and block of 32
     state columns; a counter buffer per device (`model.triton.arrival_counters`) lets the last block of
     each head finish it: one decode step at a time per device).
@@ -191,9 +193,10 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     if norm_weight is not None:
         out_gate, norm_weight = out_gate.contiguous(), norm_weight.contiguous()
     o = mt.empty(B, H, D, dtype=qkv_raw.dtype, device=state.device)
-    BV = min(D, _BV)
+    c = {**DECODE, **(cfg or {})}
+    BV = min(D, c["BV"])
     _kda_decode_kernel[(B * H, D // BV)](qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, o,
                                      out_gate, norm_weight, mt.arrival_counters(state.device, B * H),
                                      scale, float(norm_eps), H=H, D=D, W=W, WP=triton.next_power_of_2(W - 1),
-                                     BV=BV, HAS_NORM=norm_weight is not None, num_warps=4)
+                                     BV=BV, HAS_NORM=norm_weight is not None, num_warps=c["num_warps"])
     return o
