@@ -275,12 +275,22 @@ def test_decode_fused_output_norm(B, d, dtype, seed):
 
 
 def test_decode_batch_64():
-    inp = decode_inputs(64, 1, 16, 4, torch.float32, 9)
-    ro, rstate, rtaps = decode_reference(inp, 1, 16)
+    """From batch 16 on the state is cut into blocks of 16 columns (two per head here): same result as one
+    32-column block, with the fused norm finished by the head's last block."""
+    from model.triton.kda_decode import DECODE_LARGE, LARGE_BATCH
+    assert 64 >= LARGE_BATCH and DECODE_LARGE["BV"] == 16
+    inp = decode_inputs(64, 1, 32, 4, torch.float32, 9)
+    ro, rstate, rtaps = decode_reference(inp, 1, 32)
     o, state, taps = run_decode(inp)
     assert torch.equal(taps, rtaps)
     assert_close(o, ro, 1e-5, "o")
     assert_close(state, rstate, 1e-5, "state")
+    gen = torch.Generator().manual_seed(10)
+    norm = dict(out_gate=torch.randn(64, 32, generator=gen).to(DEV), norm_weight=torch.randn(32, generator=gen).to(DEV))
+    blocks, state16, _ = run_decode(inp, **norm)
+    whole, state32, _ = run_decode(inp, **norm, cfg=dict(BV=32))
+    assert torch.equal(state16, state32)
+    assert_close(blocks, whole, 1e-6, "16- vs 32-column blocks")
 
 
 # ---- norms --------------------------------------------------------------------------------------

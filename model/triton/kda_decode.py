@@ -1,8 +1,8 @@
 """One KDA decode step in one Triton launch: the fast twin of composing `model.kda.causal_conv1d`,
 `kda_gate`, sigmoid and `recurrent_kda_step` (and, optionally, the gated output RMSNorm).
 
-One program per (sequence, head, block of 32 state columns): at batch 1 that is 128 programs, each
-moving 16 KB of fp32 state in and out, so the GPU's memory pipes stay full at every batch size.
+One program per (sequence, head, block of 32 state columns; 16 from batch 16 on): at batch 1 that is 128
+programs, each moving 16 KB of fp32 state in and out.
 """
 from __future__ import annotations
 
@@ -13,9 +13,14 @@ import triton.language as tl
 import model.triton as mt
 
 
-# Launch defaults: state columns per program and warps; `bench_kernels --ops kda_decode_step --decode-sweep`
-# times the alternatives.
+# Launch configs (state columns per program, warps) by batch, from the CUDA-graph-timed sweep of
+# `bench_kernels --ops kda_decode_step --decode-sweep` (run of e4977e1): 32 columns up to batch 8 (B=1: 7.1 us
+# `11880e09`, 16 columns 7.3 us `9f9fb6a0`; B=8: 21.0 us `5fdaad58` against 22.4 us `9780df3b`), 16 columns from
+# LARGE_BATCH on (B=64: 133.9 us `096a1285` against 147.6 us `246945f2`). The sweep measured batches 1, 8 and 64
+# only: the switch at 16 is a guess between them.
 DECODE = dict(BV=32, num_warps=4)
+DECODE_LARGE = dict(BV=16, num_warps=4)
+LARGE_BATCH = 16
 
 
 @triton.jit
@@ -193,7 +198,7 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     if norm_weight is not None:
         out_gate, norm_weight = out_gate.contiguous(), norm_weight.contiguous()
     o = mt.empty(B, H, D, dtype=qkv_raw.dtype, device=state.device)
-    c = {**DECODE, **(cfg or {})}
+    c = {**(DECODE_LARGE if B >= LARGE_BATCH else DECODE), **(cfg or {})}
     BV = min(D, c["BV"])
     _kda_decode_kernel[(B * H, D // BV)](qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, o,
                                      out_gate, norm_weight, mt.arrival_counters(state.device, B * H),
