@@ -544,6 +544,10 @@ def sm90_spills() -> dict:
     out["moe_combine"] = stack_bytes(moe_combine._moe_combine_kernel, {"out": bf, "slot": "*i64", "w": f32,
                                                                       "shared": bf, "y": bf, "D": "i32"},
                                      dict(K=K, HAS_SHARED=True, BD=512), num_warps=4)
+    from model.triton import act
+    out["silu_mul"] = stack_bytes(act._silu_mul_kernel, {**dict.fromkeys("guh", bf), "N": "i32", "I": "i32",
+                                                         "stride_g": "i32", "stride_u": "i32"},
+                                  dict(ROWS=act._BLOCK // 1024, BI=1024, LIBDEVICE=True), num_warps=4)
     out["control"] = stack_bytes(_segment_sums_kernel(broken=False), {"x": "*i32"}, dict(BT=4))
     try:
         out["broken"] = stack_bytes(_segment_sums_kernel(broken=True), {"x": "*i32"}, dict(BT=4))
@@ -573,6 +577,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["scan"] <= 16 and spills["prep"] <= 1280, spills
     assert spills["moe_router"] == 0, spills
     assert spills["conv"] == 0 and spills["moe_combine"] == 0, spills
+    assert spills["silu_mul"] == 0, spills
 
 
 # ---- real shapes on the GPU ---------------------------------------------------------------------
