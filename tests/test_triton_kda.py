@@ -201,6 +201,27 @@ def test_chunk_output_does_not_depend_on_batch_size():
     assert torch.equal(o1, o[one]) and torch.equal(ht1, ht[one])
 
 
+@pytest.mark.parametrize("B,T,H,dtype", [(1, 70, 2, "fp32"), (2, 65, 2, "bf16"), (2, 1, 1, "fp32"), (2, 3, 2, "fp32")])
+def test_chunk_reads_column_slices_in_place(B, T, H, dtype):
+    """q, k, v as the column slices of one packed [B, T, 3*H*K + pad] tensor (as the conv output gives them)
+    and g as a slice of a wider one are read through their row stride, not copied: the same bits as from
+    contiguous copies, and the NaN padding beside them is never read. A slice along T of a batch is not
+    evenly spaced by rows and is copied."""
+    from model.triton.kda_chunk import _token_rows
+    K = 32
+    q, k, v, g, beta, h0 = kda_inputs(B, T, H, K, K, "model", 9, DTYPES[dtype])
+    pad = torch.full((B, T, 8), float("nan"), device=DEV)
+    packed = torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2), pad.to(q.dtype)], -1)
+    qs, ks, vs = (packed[..., i * H * K:(i + 1) * H * K].unflatten(-1, (H, K)) for i in range(3))
+    gs = torch.cat([g.flatten(-2), pad], -1)[..., :H * K].unflatten(-1, (H, K))
+    assert all(_token_rows(x)[0] is x for x in (qs, ks, vs, gs)) and not qs.is_contiguous()
+    o, ht = chunk_kda_fwd(qs, ks, vs, gs, beta, initial_state=h0)
+    ro, rh = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    assert torch.isfinite(o).all() and torch.equal(o, ro) and torch.equal(ht, rh)
+    if B > 1 and T > 1:
+        assert _token_rows(q[:, 1:])[0].is_contiguous()
+
+
 @pytest.mark.parametrize("split", [1, 64, 70])
 def test_chunk_prefill_in_two_spans_equals_one(split):
     q, k, v, g, beta, h0 = kda_inputs(2, 130, 2, 32, 16, "model", 4)
@@ -458,7 +479,8 @@ def sm90_spills() -> dict:
                                                     **dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf), "eglast": f32,
                                                     "T": "i32", "NT": "i32", "scale": "fp32"},
                             dict(H=32, K=128, V=128, BT=kc.CHUNK, BK=kc._SLICE, LOG2_BT=kc._LOG2_CHUNK,
-                                 L2NORM=True, PREC="tf32"), num_warps=kc._PREP_WARPS),
+                                 L2NORM=True, PREC="tf32", S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128,
+                                 S_G=32 * 128), num_warps=kc._PREP_WARPS),
         "scan": stack_bytes(kc._kda_chunk_scan_kernel, {**dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf),
                                                     **dict.fromkeys(["eglast", "h0", "ht"], f32), "o": bf,
                                                     "T": "i32", "NT": "i32"},
