@@ -353,6 +353,24 @@ def test_norms_match_hf(N, D, dtype, seed):
         assert_close(y_add, hf_norm(KimiLinearRMSNorm, D, w.to(dt))(new_res), 1e-2, "add")
 
 
+@pytest.mark.parametrize("lead", [(1, 9), (2, 5), (1, 1)])
+def test_norms_read_column_slices_in_place(lead):
+    """x as the first D columns of a wider tensor (MLA's latent c beside k_pe): the same bits as from a
+    contiguous copy, the NaN columns beside it never read; a transposed x, whose rows are not evenly
+    spaced, is copied first and still right."""
+    D = 48
+    wide = torch.cat([torch.randn(*lead, D), torch.full((*lead, 8), float("nan"))], -1).to(DEV)
+    x, w, res = wide[..., :D], (1 + 0.1 * torch.randn(D)).to(DEV), torch.randn(*lead, D, device=DEV)
+    assert not x.is_contiguous() or lead == (1, 1)
+    assert torch.equal(rmsnorm(x, w, 1e-5), rmsnorm(x.contiguous(), w, 1e-5))
+    assert torch.equal(gated_rmsnorm(x, res, w, 1e-5), gated_rmsnorm(x.contiguous(), res, w, 1e-5))
+    y, new_res = add_rmsnorm(x, res, w, 1e-5)
+    y_ref, new_res_ref = add_rmsnorm(x.contiguous(), res, w, 1e-5)
+    assert torch.isfinite(y).all() and torch.equal(y, y_ref) and torch.equal(new_res, new_res_ref)
+    xt = torch.randn(D, 7, device=DEV).t()
+    assert torch.equal(rmsnorm(xt, w, 1e-5), rmsnorm(xt.contiguous(), w, 1e-5))
+
+
 def test_rmsnorm_output_dtype_follows_torch_promotion():
     x = torch.randn(3, 16, dtype=torch.bfloat16, device=DEV)
     assert rmsnorm(x, torch.ones(16, device=DEV), 1e-5).dtype == torch.float32   # fp32 weight * bf16
@@ -492,7 +510,8 @@ def sm90_spills() -> dict:
                                                   "eps": "fp32"},
                               dict(H=32, D=128, W=4, WP=4, BV=kd._BV, HAS_NORM=True), num_warps=4),
         "norm": stack_bytes(nm._rmsnorm_kernel, {**dict.fromkeys(["x", "res", "gate", "weight", "y", "res_out"], bf),
-                                                 "N": "i32", "eps": "fp32"},
+                                                 "N": "i32", "stride_x": "i32",
+                                                 "eps": "fp32"},
                             dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False), num_warps=8),
     }
     from model.triton import moe
