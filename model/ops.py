@@ -183,8 +183,9 @@ def moe_route_torch(logits, bias, k, scaling, renorm):
 
 
 def silu_mul(g, u):
-    """SwiGLU's activation silu(g) * u, in g's dtype; g and u of one shape, either may be a strided view
-    (the two halves of one gate|up projection output)."""
+    """SwiGLU's activation silu(g) * u; g and u of one shape and dtype, either may be a strided view (the two
+    halves of one gate|up projection output). One pass in Triton instead of torch's silu kernel, a write of
+    silu(g), and a mul kernel; the same roundings."""
     if _triton(g):
         from .triton.act import silu_mul as triton_silu_mul
         return triton_silu_mul(g, u)
