@@ -201,14 +201,15 @@ def test_chunk_output_does_not_depend_on_batch_size():
     assert torch.equal(o1, o[one]) and torch.equal(ht1, ht[one])
 
 
-@pytest.mark.parametrize("B,T,H,dtype", [(1, 70, 2, "fp32"), (2, 65, 2, "bf16"), (2, 1, 1, "fp32"), (2, 3, 2, "fp32")])
-def test_chunk_reads_column_slices_in_place(B, T, H, dtype):
+@pytest.mark.parametrize("B,T,H,K,dtype", [(1, 70, 2, 32, "fp32"), (2, 65, 2, 32, "bf16"), (2, 1, 1, 32, "fp32"),
+                                           (2, 3, 2, 32, "fp32"),
+                                           pytest.param(1, 8192, 32, 128, "bf16", marks=[pytest.mark.gpu, gpu])])
+def test_chunk_reads_column_slices_in_place(B, T, H, K, dtype):
     """q, k, v as the column slices of one packed [B, T, 3*H*K + pad] tensor (as the conv output gives them)
     and g as a slice of a wider one are read through their row stride, not copied: the same bits as from
     contiguous copies, and the NaN padding beside them is never read. A slice along T of a batch is not
     evenly spaced by rows and is copied."""
     from model.triton.kda_chunk import _token_rows
-    K = 32
     q, k, v, g, beta, h0 = kda_inputs(B, T, H, K, K, "model", 9, DTYPES[dtype])
     pad = torch.full((B, T, 8), float("nan"), device=DEV)
     packed = torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2), pad.to(q.dtype)], -1)
@@ -353,12 +354,12 @@ def test_norms_match_hf(N, D, dtype, seed):
         assert_close(y_add, hf_norm(KimiLinearRMSNorm, D, w.to(dt))(new_res), 1e-2, "add")
 
 
-@pytest.mark.parametrize("lead", [(1, 9), (2, 5), (1, 1)])
-def test_norms_read_column_slices_in_place(lead):
+@pytest.mark.parametrize("lead,D", [((1, 9), 48), ((2, 5), 48), ((1, 1), 48),
+                                    pytest.param((1, 8192), 512, marks=[pytest.mark.gpu, gpu])])
+def test_norms_read_column_slices_in_place(lead, D):
     """x as the first D columns of a wider tensor (MLA's latent c beside k_pe): the same bits as from a
     contiguous copy, the NaN columns beside it never read; a transposed x, whose rows are not evenly
     spaced, is copied first and still right."""
-    D = 48
     wide = torch.cat([torch.randn(*lead, D), torch.full((*lead, 8), float("nan"))], -1).to(DEV)
     x, w, res = wide[..., :D], (1 + 0.1 * torch.randn(D)).to(DEV), torch.randn(*lead, D, device=DEV)
     assert not x.is_contiguous() or lead == (1, 1)
