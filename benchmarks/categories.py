@@ -28,10 +28,13 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     # cuBLAS / cutlass / nvjet matmuls, incl. cuBLAS's split-K reduction that belongs to its GEMM.
     ("gemm", r"gemv|gemm|cutlass|xmma|nvjet|splitkreduce"),
     ("norm", r"rms_?norm|layer_?norm|l2_?norm|group_?norm"),
-    # Explicit casts (aten::_to_copy, Triton `convert`) and PyTorch's dynamic-casting elementwise
-    # kernels (LoadWithCast/StoreWithCast): those exist only because operand dtypes differ, which is
-    # what the seed's "CastBf16" share measured. "broadcast" is not a cast.
-    ("cast", r"to_copy|(?<!broad)cast|convert"),
+    # Explicit casts (aten::_to_copy, Triton `convert`), PyTorch's dtype-converting copies
+    # (bfloat16_copy_kernel_cuda, bfloat16tofloat32_copy_kernel_cuda, ...) and its dynamic-casting
+    # elementwise kernels (LoadWithCast/StoreWithCast when contiguous, a lambda of `gpu_kernel_impl<`
+    # when strided): those exist only because operand dtypes differ, which is what the seed's "CastBf16"
+    # share measured. Not casts: "broadcast", and PyTorch's same-dtype paths `gpu_kernel_impl_nocast`
+    # and LoadWithoutCast (every strided silu, mul or copy kernel is named so).
+    ("cast", r"to_copy|(?<!broad)(?<!no)(?<!without)cast|convert|gpu_kernel_impl<|float\d+\w*_copy_kernel"),
     # Same-dtype device copies (contiguous(), index copies) and fills are memcpy/memset in kernel form.
     ("memcpy", r"memcpy|memset|direct_copy|copy_kernel|fillfunctor"),
     ("elementwise", r"elementwise|triton_poi|pointwise"),

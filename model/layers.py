@@ -183,7 +183,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(nn.Module):

@@ -182,6 +182,16 @@ def moe_route_torch(logits, bias, k, scaling, renorm):
     return idx, w * scaling
 
 
+def silu_mul(g, u):
+    """SwiGLU's activation silu(g) * u; g and u of one shape and dtype, either may be a strided view (the two
+    halves of one gate|up projection output). One pass in Triton instead of torch's silu kernel, a write of
+    silu(g), and a mul kernel; the same roundings."""
+    if _triton(g):
+        from .triton.act import silu_mul as triton_silu_mul
+        return triton_silu_mul(g, u)
+    return F.silu(g) * u
+
+
 def moe_experts(x, idx, w, gate_up, down, shared=None):
     """sum_k w[n,k] * down[e](silu(w1[e] x) * w3[e] x) with e = idx[n,k], plus the shared expert (an `MLP`
     module) when given; x [N,D], idx/w [N,k].
@@ -209,7 +219,7 @@ def moe_experts_grouped(x, idx, w, gate_up, down, shared_out=None):
     order = torch.argsort(flat, stable=True)              # (token, slot) pairs sorted by expert
     offs = torch.cumsum(torch.bincount(flat, minlength=E), 0, dtype=torch.int32)
     gu = F.grouped_mm(x[order // K], gate_up.transpose(1, 2), offs=offs)
-    h = F.silu(gu[:, :I]) * gu[:, I:]
+    h = silu_mul(gu[:, :I], gu[:, I:])
     out = F.grouped_mm(h, down.transpose(1, 2), offs=offs)
     slot = torch.empty_like(order)
     slot[order] = torch.arange(N * K, device=x.device)     # the row of `out` that holds pair (n, k)

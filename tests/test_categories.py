@@ -32,6 +32,27 @@ NAMES = {
     "triton_poi_fused__to_copy_0": "cast",
     "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda, "
     "memory::LoadWithCast<1>, memory::StoreWithCast<1>>": "cast",
+    # PyTorch's dtype-converting copies and its dynamic-casting path for strided operands are casts ...
+    "void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda(at::TensorIteratorBase&)"
+    "::{lambda(float)#1}, std::array<char*, 2ul> >": "cast",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16tofloat32_copy_kernel_cuda("
+    "at::TensorIteratorBase&)::{lambda(c10::BFloat16)#1}, std::array<char*, 2ul> >": "cast",
+    "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl<at::native::direct_copy_kernel_cuda("
+    "at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::"
+    "{lambda(float)#1}>(at::TensorIteratorBase&, ...)::{lambda(int)#1}>": "cast",
+    # ... but its same-dtype paths (`nocast`, LoadWithoutCast) are not: a strided silu, mul or copy
+    "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::(anonymous "
+    "namespace)::silu_kernel(at::TensorIteratorBase&)::{lambda()#1}::operator()() const::{lambda()#6}::operator()() "
+    "const::{lambda(c10::BFloat16)#1}>(at::TensorIteratorBase&, ...)::{lambda(int)#1}>(int, ...)": "elementwise",
+    "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<"
+    "c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::binary_internal::MulFunctor<float> > >("
+    "at::TensorIteratorBase&, ...)::{lambda(int)#1}>(int, ...)": "elementwise",
+    "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>, "
+    "TrivialOffsetCalculator<2, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, "
+    "at::native::memory::LoadWithoutCast, at::native::memory::StoreWithoutCast>": "elementwise",
+    "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+    "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#12}::operator()() "
+    "const::{lambda(c10::BFloat16)#1}>(at::TensorIteratorBase&, ...)::{lambda(int)#1}>(int, ...)": "memcpy",
     "Memcpy DtoD (Device -> Device)": "memcpy",
     "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1>>": "memcpy",
     "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3>>":

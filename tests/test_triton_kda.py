@@ -201,6 +201,28 @@ def test_chunk_output_does_not_depend_on_batch_size():
     assert torch.equal(o1, o[one]) and torch.equal(ht1, ht[one])
 
 
+@pytest.mark.parametrize("B,T,H,K,dtype", [(1, 70, 2, 32, "fp32"), (2, 65, 2, 32, "bf16"), (2, 1, 1, 32, "fp32"),
+                                           (2, 3, 2, 32, "fp32"),
+                                           pytest.param(1, 8192, 32, 128, "bf16", marks=[pytest.mark.gpu, gpu])])
+def test_chunk_reads_column_slices_in_place(B, T, H, K, dtype):
+    """q, k, v as the column slices of one packed [B, T, 3*H*K + pad] tensor (as the conv output gives them)
+    and g as a slice of a wider one are read through their row stride, not copied: the same bits as from
+    contiguous copies, and the NaN padding beside them is never read. A slice along T of a batch is not
+    evenly spaced by rows and is copied."""
+    from model.triton.kda_chunk import _token_rows
+    q, k, v, g, beta, h0 = kda_inputs(B, T, H, K, K, "model", 9, DTYPES[dtype])
+    pad = torch.full((B, T, 8), float("nan"), device=DEV)
+    packed = torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2), pad.to(q.dtype)], -1)
+    qs, ks, vs = (packed[..., i * H * K:(i + 1) * H * K].unflatten(-1, (H, K)) for i in range(3))
+    gs = torch.cat([g.flatten(-2), pad], -1)[..., :H * K].unflatten(-1, (H, K))
+    assert all(_token_rows(x)[0] is x for x in (qs, ks, vs, gs)) and not qs.is_contiguous()
+    o, ht = chunk_kda_fwd(qs, ks, vs, gs, beta, initial_state=h0)
+    ro, rh = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    assert torch.isfinite(o).all() and torch.equal(o, ro) and torch.equal(ht, rh)
+    if B > 1 and T > 1:
+        assert _token_rows(q[:, 1:])[0].is_contiguous()
+
+
 @pytest.mark.parametrize("split", [1, 64, 70])
 def test_chunk_prefill_in_two_spans_equals_one(split):
     q, k, v, g, beta, h0 = kda_inputs(2, 130, 2, 32, 16, "model", 4)
@@ -342,6 +364,24 @@ def test_norms_match_hf(N, D, dtype, seed):
         assert_close(y_add, hf_norm(KimiLinearRMSNorm, D, w.to(dt))(new_res), 1e-2, "add")
 
 
+@pytest.mark.parametrize("lead,D", [((1, 9), 48), ((2, 5), 48), ((1, 1), 48),
+                                    pytest.param((1, 8192), 512, marks=[pytest.mark.gpu, gpu])])
+def test_norms_read_column_slices_in_place(lead, D):
+    """x as the first D columns of a wider tensor (MLA's latent c beside k_pe): the same bits as from a
+    contiguous copy, the NaN columns beside it never read; a transposed x, whose rows are not evenly
+    spaced, is copied first and still right."""
+    wide = torch.cat([torch.randn(*lead, D), torch.full((*lead, 8), float("nan"))], -1).to(DEV)
+    x, w, res = wide[..., :D], (1 + 0.1 * torch.randn(D)).to(DEV), torch.randn(*lead, D, device=DEV)
+    assert not x.is_contiguous() or lead == (1, 1)
+    assert torch.equal(rmsnorm(x, w, 1e-5), rmsnorm(x.contiguous(), w, 1e-5))
+    assert torch.equal(gated_rmsnorm(x, res, w, 1e-5), gated_rmsnorm(x.contiguous(), res, w, 1e-5))
+    y, new_res = add_rmsnorm(x, res, w, 1e-5)
+    y_ref, new_res_ref = add_rmsnorm(x.contiguous(), res, w, 1e-5)
+    assert torch.isfinite(y).all() and torch.equal(y, y_ref) and torch.equal(new_res, new_res_ref)
+    xt = torch.randn(D, 7, device=DEV).t()
+    assert torch.equal(rmsnorm(xt, w, 1e-5), rmsnorm(xt.contiguous(), w, 1e-5))
+
+
 def test_rmsnorm_output_dtype_follows_torch_promotion():
     x = torch.randn(3, 16, dtype=torch.bfloat16, device=DEV)
     assert rmsnorm(x, torch.ones(16, device=DEV), 1e-5).dtype == torch.float32   # fp32 weight * bf16
@@ -468,7 +508,8 @@ def sm90_spills() -> dict:
                                                     **dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf), "eglast": f32,
                                                     "T": "i32", "NT": "i32", "scale": "fp32"},
                             dict(H=32, K=128, V=128, BT=kc.CHUNK, BK=kc._SLICE, LOG2_BT=kc._LOG2_CHUNK,
-                                 L2NORM=True, PREC="tf32"), num_warps=kc._PREP_WARPS),
+                                 L2NORM=True, PREC="tf32", S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128,
+                                 S_G=32 * 128), num_warps=kc._PREP_WARPS),
         "scan": stack_bytes(kc._kda_chunk_scan_kernel, {**dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf),
                                                     **dict.fromkeys(["eglast", "h0", "ht"], f32), "o": bf,
                                                     "T": "i32", "NT": "i32"},
@@ -481,7 +522,8 @@ def sm90_spills() -> dict:
                               dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True),
                               num_warps=kd.DECODE["num_warps"]),
         "norm": stack_bytes(nm._rmsnorm_kernel, {**dict.fromkeys(["x", "res", "gate", "weight", "y", "res_out"], bf),
-                                                 "N": "i32", "eps": "fp32"},
+                                                 "N": "i32", "stride_x": "i32",
+                                                 "eps": "fp32"},
                             dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False), num_warps=8),
     }
     from model.triton import moe
@@ -555,6 +597,10 @@ def sm90_spills() -> dict:
     out["moe_combine"] = stack_bytes(moe_combine._moe_combine_kernel, {"out": bf, "slot": "*i64", "w": f32,
                                                                       "shared": bf, "y": bf, "D": "i32"},
                                      dict(K=K, HAS_SHARED=True, BD=512), num_warps=4)
+    from model.triton import act
+    out["silu_mul"] = stack_bytes(act._silu_mul_kernel, {**dict.fromkeys("guh", bf), "N": "i32", "I": "i32",
+                                                         "stride_g": "i32", "stride_u": "i32"},
+                                  dict(ROWS=act._BLOCK // 1024, BI=1024, LIBDEVICE=True), num_warps=4)
     out["control"] = stack_bytes(_segment_sums_kernel(broken=False), {"x": "*i32"}, dict(BT=4))
     try:
         out["broken"] = stack_bytes(_segment_sums_kernel(broken=True), {"x": "*i32"}, dict(BT=4))
@@ -584,6 +630,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["scan"] <= 16 and spills["prep"] <= 1280, spills
     assert spills["moe_router"] == 0, spills
     assert spills["conv"] == 0 and spills["moe_combine"] == 0, spills
+    assert spills["silu_mul"] == 0, spills
 
 
 # ---- real shapes on the GPU ---------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Prefill-path kernels against their torch references: the causal depthwise conv (model/triton/conv.py vs
-model.kda.causal_conv1d) and the MoE combine (model/triton/moe_combine.py vs ops.moe_combine_torch, and
-that against the index_add form it replaced). Interpreter shapes on the CPU; `gpu` tests run the 48B's
-shapes and check that the conv rounds bit for bit like torch's CUDA conv. Kernel outputs are poisoned (NaN)
-before each run. The sm_90 compile/spill check for these kernels is in tests/test_triton_kda.py."""
+model.kda.causal_conv1d), the MoE combine (model/triton/moe_combine.py vs ops.moe_combine_torch, and
+that against the index_add form it replaced) and SwiGLU's silu(g) * u (model/triton/act.py vs the torch
+expression). Interpreter shapes on the CPU; `gpu` tests run the 48B's shapes and check that the conv and
+silu_mul round like torch on CUDA. Kernel outputs are poisoned (NaN) before each run. The sm_90
+compile/spill check for these kernels is in tests/test_triton_kda.py."""
 import os
 
 import torch
@@ -17,6 +18,7 @@ from hypothesis import given, strategies as st  # noqa: E402
 import model.triton as mt  # noqa: E402
 from model import kda, ops  # noqa: E402
 from model.layers import MLP  # noqa: E402
+from model.triton.act import silu_mul  # noqa: E402
 from model.triton.conv import causal_conv1d  # noqa: E402
 from model.triton.moe_combine import moe_combine  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
@@ -82,6 +84,71 @@ def test_gpu_conv_bf16_bit_exact(B, T, with_taps):
     assert torch.equal(new_taps, rtaps)
     diff = (y != ry).sum().item()
     assert diff == 0, f"{diff} of {y.numel()} elements differ; max abs diff {(y.float() - ry.float()).abs().max()}"
+
+
+# ---- silu(g) * u ------------------------------------------------------------------------------------
+
+@given(N=st.integers(1, 40), I=st.sampled_from([1, 8, 96, 1000, 1024, 1300]), packed=st.booleans(),
+       lead=st.sampled_from([(), (2,)]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 999))
+def test_silu_mul_matches_torch(N, I, packed, lead, dtype, seed):
+    """packed: g and u are the two column halves of one [.., 2I] projection output, as the grouped MoE has them;
+    else two separate tensors, as the shared expert's two projections give them."""
+    g0 = torch.Generator().manual_seed(seed)
+    if packed:
+        gu = (torch.randn(*lead, N, 2 * I, generator=g0) * 3).to(dtype).to(DEV)
+        g, u = gu[..., :I], gu[..., I:]
+    else:
+        g, u = ((torch.randn(*lead, N, I, generator=g0) * 3).to(dtype).to(DEV) for _ in range(2))
+    h = silu_mul(g, u)
+    ref = F.silu(g) * u
+    assert h.dtype == dtype and h.shape == ref.shape and torch.isfinite(h).all()
+    # fp32: the same formula; bf16: the interpreter truncates where CUDA rounds (the gpu test checks the bits)
+    assert rel_err(h, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_silu_mul_rejects_mismatches():
+    with pytest.raises(ValueError, match="one shape"):
+        silu_mul(torch.randn(2, 4), torch.randn(2, 5))
+    with pytest.raises(TypeError, match="one float dtype"):
+        silu_mul(torch.randn(2, 4), torch.randn(2, 4).to(torch.bfloat16))
+
+
+def test_ops_silu_mul_routes_and_mlp_uses_it():
+    """ops.silu_mul is the torch expression under KIMI_KERNELS=torch and the kernel under triton; the MLP
+    (the shared expert, the dense layer) goes through it."""
+    g0 = torch.Generator().manual_seed(0)
+    mlp = MLP(16, 24).requires_grad_(False)
+    x = torch.randn(5, 16, generator=g0)
+    ref = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    with ops.use("torch"):
+        assert torch.equal(mlp(x), ref)
+    with ops.use("triton"):
+        assert rel_err(mlp(x), ref) < 1e-6
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N,packed", [(8192 * 8, True), (8192, False), (3, True)])
+def test_gpu_silu_mul_bf16_rounds_like_torch(N, packed):
+    """The 48B's expert activation (8192 tokens x top 8, I = 1024) in bf16: torch's bits for >= 99.9% of the
+    elements, at most 1 ulp off elsewhere (torch's fp32 silu may differ from ours in the last bit before
+    rounding)."""
+    g0 = torch.Generator(device=DEV).manual_seed(N)
+    I, bf = 1024, torch.bfloat16
+    if packed:
+        gu = (torch.randn(N, 2 * I, generator=g0, device=DEV) * 3).to(bf)
+        g, u = gu[:, :I], gu[:, I:]
+    else:
+        g, u = ((torch.randn(N, I, generator=g0, device=DEV) * 3).to(bf) for _ in range(2))
+    h = silu_mul(g, u)
+    ref = F.silu(g) * u
+    assert torch.isfinite(h).all()
+    same = (h == ref).float().mean().item()
+    assert same >= 0.999, f"only {same:.5f} of the elements have torch's bits"
+    # bf16 bit patterns of finite values of one sign are ordered like the values: 1 ulp = 1 apart
+    ulps = (h.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+    assert ulps.max().item() <= 1
 
 
 # ---- MoE combine ----------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@
   (held against fp64 by tests/test_triton_mla.py).
 - `conv.causal_conv1d`: the short causal conv + SiLU over a prefill span, the twin of `model.kda.causal_conv1d`.
 - `moe_combine.moe_combine`: the grouped-GEMM MoE's combine, the twin of `model.ops.moe_combine_torch`.
+- `act.silu_mul`: SwiGLU's silu(gate) * up in one pass, the twin of `F.silu(g) * u`.
 
 Triton chooses compiled (CUDA) or interpreted (CPU) kernels when a kernel module is first imported,
 from TRITON_INTERPRET (read by triton): set it to 1 before that import to run them on the CPU.

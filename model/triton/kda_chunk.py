@@ -91,8 +91,12 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
 @triton.jit
 def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                       LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
+                       LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+                       S_Q: tl.constexpr, S_K: tl.constexpr, S_V: tl.constexpr, S_G: tl.constexpr):
     """Per-chunk, state-free part of chunked KDA. Grid (NT, B*H); one program = one chunk of one head.
+
+    q, k, v, g are read as one row of H heads per token (heads packed, D contiguous) with the row strides
+    S_Q, S_K, S_V, S_G (elements), B*T rows evenly spaced; beta is [B*T, H] contiguous.
 
     Only the [BT, BT] matrices Akk, Aqk and T stay in registers; q, k, g, v are streamed in [BT, BK]
     column slices (L1-resident rereads), which keeps the kernel out of register spills. Rows past T load
@@ -118,9 +122,12 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
     cb = tl.arange(0, BK)
     live = i_t * BT + r < T
     n_live = T - i_t * BT
-    row0 = (i_b.to(tl.int64) * T + i_t * BT) * H + i_h   # chunk's first row of the [B*T*H, D] inputs
+    tok0 = i_b.to(tl.int64) * T + i_t * BT              # chunk's first token of the B*T rows
     slab = (i_bh.to(tl.int64) * NT + i_t) * BT          # chunk's first row of the [B*H, NT*BT, D] outputs
-    b_beta = tl.load(beta + row0 + r * H, mask=live, other=0.).to(tl.float32)
+    # this head's first column in the chunk's first row of q, k, g, v
+    q0, k0, g0 = q + tok0 * S_Q + i_h * K, k + tok0 * S_K + i_h * K, g + tok0 * S_G + i_h * K
+    v0 = v + tok0 * S_V + i_h * V
+    b_beta = tl.load(beta + tok0 * H + i_h + r * H, mask=live, other=0.).to(tl.float32)
 
     f_q = tl.zeros([BT], dtype=tl.float32) + scale      # row factors: q_t * f_q[t], k_t * f_k[t]
     f_k = tl.zeros([BT], dtype=tl.float32) + 1.
@@ -128,8 +135,8 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         ss_q = tl.zeros([BT], dtype=tl.float32)
         ss_k = tl.zeros([BT], dtype=tl.float32)
         for kk in range(0, K, BK):
-            q_s = _load_rows(q + row0 * K + kk, n_live, 0, H * K, BT, BK)
-            k_s = _load_rows(k + row0 * K + kk, n_live, 0, H * K, BT, BK)
+            q_s = _load_rows(q0 + kk, n_live, 0, S_Q, BT, BK)
+            k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK)
             ss_q += tl.sum(q_s * q_s, axis=1)
             ss_k += tl.sum(k_s * k_s, axis=1)
         f_q = f_q / tl.sqrt(ss_q + 1e-6)
@@ -138,9 +145,9 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
     Akk = tl.zeros([BT, BT], dtype=tl.float32)
     Aqk = tl.zeros([BT, BT], dtype=tl.float32)
     for kk in range(0, K, BK):
-        q_s = _load_rows(q + row0 * K + kk, n_live, 0, H * K, BT, BK) * f_q[:, None]
-        k_s = _load_rows(k + row0 * K + kk, n_live, 0, H * K, BT, BK) * f_k[:, None]
-        g_s = _load_rows(g + row0 * K + kk, n_live, 0, H * K, BT, BK)
+        q_s = _load_rows(q0 + kk, n_live, 0, S_Q, BT, BK) * f_q[:, None]
+        k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK) * f_k[:, None]
+        g_s = _load_rows(g0 + kk, n_live, 0, S_G, BT, BK)
         for lvl in range(LOG2_BT):  # a loop, not unrolled: one level's tiles live at a time
             A_kk, A_qk = _level_pairs(q_s, k_s, g_s, 1 << lvl, BT, PREC)
             Akk += A_kk
@@ -156,21 +163,21 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         Tm = Tm - tl.dot(tl.dot(Tm, L, input_precision=PREC), Tm, input_precision=PREC)
 
     for kk in range(0, K, BK):
-        q_s = _load_rows(q + row0 * K + kk, n_live, 0, H * K, BT, BK) * f_q[:, None]
-        k_s = _load_rows(k + row0 * K + kk, n_live, 0, H * K, BT, BK) * f_k[:, None]
-        G = tl.cumsum(_load_rows(g + row0 * K + kk, n_live, 0, H * K, BT, BK), axis=0)  # g_1 + ... + g_t
+        q_s = _load_rows(q0 + kk, n_live, 0, S_Q, BT, BK) * f_q[:, None]
+        k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK) * f_k[:, None]
+        G = tl.cumsum(_load_rows(g0 + kk, n_live, 0, S_G, BT, BK), axis=0)  # g_1 + ... + g_t
         e_G = tl.exp(G)
         b_w = tl.dot(Tm, k_s * (b_beta[:, None] * e_G), input_precision=PREC)
         out = r[:, None] * K + kk + cb[None, :]
         tl.store(w + slab * K + out, _rounded(b_w, w.dtype.element_ty))
         tl.store(qw + slab * K + out, _rounded(q_s * e_G - tl.dot(Aqk, b_w, input_precision=PREC), qw.dtype.element_ty))
         # g_{t+1} + ... + g_last, summed from the end (not G_last - G_t)
-        to_end = tl.cumsum(_load_rows(g + row0 * K + kk, n_live, 1, H * K, BT, BK), axis=0, reverse=True)
+        to_end = tl.cumsum(_load_rows(g0 + kk, n_live, 1, S_G, BT, BK), axis=0, reverse=True)
         tl.store(kd + slab * K + out, _rounded(k_s * tl.exp(to_end), kd.dtype.element_ty))
         G_last = tl.sum(tl.where((r == BT - 1)[:, None], G, 0.), axis=0)  # padded rows add g = 0
         tl.store(eglast + (i_bh.to(tl.int64) * NT + i_t) * K + kk + cb, tl.exp(G_last))
     for vv in range(0, V, BK):
-        b_u = tl.dot(Tm, _load_rows(v + row0 * V + vv, n_live, 0, H * V, BT, BK) * b_beta[:, None],
+        b_u = tl.dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None],
                      input_precision=PREC)
         out = r[:, None] * V + vv + cb[None, :]
         tl.store(u + slab * V + out, _rounded(b_u, u.dtype.element_ty))
@@ -239,6 +246,17 @@ def _check_head_dim(name: str, d: int) -> None:
         raise ValueError(f"chunk_kda_fwd: {name} head dim must be a power of two in [16, 128], got {d}")
 
 
+def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x, row stride): x [B, T, H, D] as the prep kernel reads it, per token one row of H heads of D
+    contiguous values, the B*T rows evenly spaced. A column slice of a wider [B, T, C] tensor qualifies
+    (q, k, v are slices of the conv output) and is read in place, through its row stride; else a copy."""
+    B, T, H, D = x.shape
+    row = x.stride(1) if T > 1 else x.stride(0)  # a size-1 dim's stride says nothing
+    if x.stride(3) == 1 and (H == 1 or x.stride(2) == D) and (B == 1 or x.stride(0) == T * row):
+        return x, row
+    return x.contiguous(), H * D
+
+
 def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, l2norm_qk=True):
     """Chunked KDA forward; same layout and meaning as `model.kda.chunk_kda`.
 
@@ -278,7 +296,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
             ht.zero_()
         return o, ht
 
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    (q, s_q), (k, s_k), (v, s_v), (g, s_g) = (_token_rows(x) for x in (q, k, v, g))
+    beta = beta.contiguous()
     NT = triton.cdiv(T, CHUNK)
     BH, dev = B * H, q.device
     exact = torch.float32 in (q.dtype, k.dtype, v.dtype)  # see "Precision" in the module docstring
@@ -288,7 +307,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     eglast = mt.empty(BH, NT, K, dtype=torch.float32, device=dev)
     _kda_chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
                                      H=H, K=K, V=V, BT=CHUNK, BK=min(_SLICE, K, V), LOG2_BT=_LOG2_CHUNK,
-                                     L2NORM=bool(l2norm_qk), PREC=prec, num_warps=_PREP_WARPS)
+                                     L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
+                                     num_warps=_PREP_WARPS)
     BV = min(V, _BV)
     _kda_chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                                           H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None,

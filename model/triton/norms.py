@@ -12,9 +12,10 @@ import model.triton as mt
 
 
 @triton.jit
-def _rmsnorm_kernel(x, res, gate, weight, y, res_out, N, D: tl.constexpr, eps,
+def _rmsnorm_kernel(x, res, gate, weight, y, res_out, N, stride_x, D: tl.constexpr, eps,
                     BD: tl.constexpr, ROWS: tl.constexpr, ADD_RES: tl.constexpr, GATED: tl.constexpr):
     """y = rmsnorm(x) over rows of D. Grid (cdiv(N, ROWS),); tile [ROWS, BD] (BD = D padded to 2^n).
+    x's rows are stride_x apart (a column slice of a wider tensor is read in place); the others are [N, D].
 
     ADD_RES: x <- x + res first, rounded to x's dtype and stored to res_out (the new residual).
     GATED:   y = x * rsqrt(mean(x^2) + eps) * weight * sigmoid(gate), all fp32, cast once (HF gated norm).
@@ -24,7 +25,7 @@ def _rmsnorm_kernel(x, res, gate, weight, y, res_out, N, D: tl.constexpr, eps,
     cols = tl.arange(0, BD)
     mask = (rows < N)[:, None] & (cols < D)[None, :]
     off = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    b_x = tl.load(x + off, mask=mask, other=0.)
+    b_x = tl.load(x + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.)
     if ADD_RES:
         b_x = (b_x.to(tl.float32) + tl.load(res + off, mask=mask, other=0.).to(tl.float32)).to(x.dtype.element_ty)
         tl.store(res_out + off, b_x, mask=mask)
@@ -51,17 +52,21 @@ def _launch(x, weight, eps, *, res=None, gate=None, out_dtype):
     if not x.is_floating_point():
         raise TypeError(f"rmsnorm: x must be a float tensor, got {x.dtype}")
     mt.require_runnable(_rmsnorm_kernel, x.device)
-    x, weight = x.contiguous(), weight.contiguous()
+    weight = weight.contiguous()
     res = None if res is None else res.contiguous()
     gate = None if gate is None else gate.contiguous()
     N = x.numel() // D if D else 0
     y = mt.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = None if res is None else mt.empty(x.shape, dtype=x.dtype, device=x.device)
     if N:
+        # x as N rows: a view when its rows are evenly spaced (MLA's latent c, a column slice of the
+        # kv_a projection, is), else a copy
+        x_rows = x.reshape(N, D)
+        x_rows = x_rows if x_rows.stride(1) == 1 else x_rows.contiguous()
         BD = triton.next_power_of_2(D)
         rows = max(1, min(16, 4096 // BD))  # about 4096 elements per program
-        _rmsnorm_kernel[(triton.cdiv(N, rows),)](x, res, gate, weight, y, res_out, N, D, float(eps),
-                                                 BD=BD, ROWS=rows, ADD_RES=res is not None,
+        _rmsnorm_kernel[(triton.cdiv(N, rows),)](x_rows, res, gate, weight, y, res_out, N, x_rows.stride(0), D,
+                                                 float(eps), BD=BD, ROWS=rows, ADD_RES=res is not None,
                                                  GATED=gate is not None, num_warps=4 if BD <= 1024 else 8)
     return y, res_out
 
