@@ -237,57 +237,6 @@ def decode_sweep(B: int) -> list[dict]:
     return recs
 
 
-GEMV_SHAPES = {"o_proj": (2304, 4096), "mla_q_proj": (6144, 2304), "mla_kv_a": (576, 2304)}  # (O, D) of 48B-A3B
-GEMV_SWEEP = [dict(BLOCK_O=bo, BLOCK_D=bd, SPLIT=sp, num_warps=nw) for bo, bd, nw in
-              ((16, 512, 8), (16, 256, 4), (8, 512, 4), (32, 256, 8), (4, 1024, 4)) for sp in (512, 1024, 2048)
-              if sp >= bd]
-
-
-def run_gemv(sweep: bool) -> list[dict]:
-    """One token's projection at the decode step's shapes: our split-K GEMV against F.linear (cuBLAS), both
-    timed by `graph_ms` over 32 layers' weights (cold from HBM, as in the decode graph); `sweep` also times
-    every config of GEMV_SWEEP. One `kernel` record per (shape[, config])."""
-    import torch.nn.functional as F
-    from benchmarks.roofline import measure_read_gbps
-    from model.triton.gemv import GEMV, gemv
-    from records import store
-    hbm = measure_read_gbps("cuda", 1 << 30, 20)
-    recs = []
-    for name, (O, D) in GEMV_SHAPES.items():
-        g = torch.Generator(device="cuda").manual_seed(O)
-        x = torch.randn(1, D, generator=g, device="cuda").to(DTYPE)
-        ws = [(torch.randn(O, D, generator=g, device="cuda") * D ** -0.5).to(DTYPE) for _ in range(MOE_ROTATE)]
-        peer_ms = graph_ms([lambda w=w: F.linear(x, w) for w in ws])
-        ref = F.linear(x.double(), ws[0].double())
-        for cfg in [None] + (GEMV_SWEEP if sweep else []):
-            reasons = []
-            try:
-                err = rel_err(gemv(x, ws[0], cfg), ref)
-                if not err <= 4e-3:
-                    reasons.append(f"differs from the fp64 product: relative RMS error {err:.3g}")
-                ours = graph_ms([lambda w=w: gemv(x, w, cfg) for w in ws])
-                results = {"ours_ms": ours, "peer_ms": peer_ms, "peer": "cublas (F.linear)", "speedup": peer_ms / ours,
-                           "rel_err_vs_fp64": err, "bytes": O * D * 2, "ours_gbps": O * D * 2 / ours / 1e6,
-                           "peer_gbps": O * D * 2 / peer_ms / 1e6, "measured_read_gbps": hbm, "timing": MOE_TIMING}
-            except Exception as e:  # a config that fails to compile or run is recorded and skipped
-                traceback.print_exc()
-                results, reasons = {"peer": "cublas (F.linear)"}, [f"{cfg} failed: {type(e).__name__}: {e}"]
-            params = {"op": "gemv", "shape": name, "O": O, "D": D, "N": 1, "dtype": "bfloat16",
-                      "cfg": {**GEMV, **(cfg or {})}}
-            if cfg is not None:
-                params["sweep"] = True
-            rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=torch.cuda.get_device_name(),
-                                    weights=None, params=params, results=results,
-                                    verdict="INVALID" if reasons else "VALID", reasons=reasons)
-            store.append(rec)
-            recs.append(rec)
-            log(f"  gemv {name:10s} {O}x{D} {cfg or 'default'}  ours={_ms(results.get('ours_ms'))} "
-                f"({results.get('ours_gbps', 0):.0f} GB/s)  cublas={_ms(peer_ms)} "
-                f"({O * D * 2 / peer_ms / 1e6:.0f} GB/s)  {rec['verdict']}")
-        del ws
-    return recs
-
-
 def einsum_mla_decode(q_lat, q_pe, c, k_pe, pos, scale):
     """The model's MLA decode attention before the split-K kernel: bf16 einsums over the whole buffer."""
     s = torch.einsum("bhr,blr->bhl", q_lat.to(c.dtype), c).float() + torch.einsum("bhp,blp->bhl", q_pe, k_pe).float()
@@ -686,7 +635,7 @@ def run_moe(Ns: list[int], sweep: bool, rep_ms: int, device: str = "cuda") -> li
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode," + ",".join(TORCH_PEER_CASES),
-                    help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, gemv, "
+                    help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, "
                          + ", ".join(TORCH_PEER_CASES))
     ap.add_argument("--chunk-T", default="1024,8192,32768")
     ap.add_argument("--decode-B", default="1,8,64")
@@ -694,13 +643,12 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill-T", default="8192", help="token counts for the causal_conv1d and moe_combine cases")
     ap.add_argument("--moe-N", default="1,8", help="tokens per MoE decode step (moe_decode)")
     ap.add_argument("--moe-sweep", action="store_true", help="moe_decode: also time every tile config of the grid")
-    ap.add_argument("--gemv-sweep", action="store_true", help="gemv: also time every config of GEMV_SWEEP")
     ap.add_argument("--decode-sweep", action="store_true",
                     help="kda_decode_step: also time every config of DECODE_SWEEP (CUDA-graph timing)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
-    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "gemv", *TORCH_PEER_CASES}
+    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", *TORCH_PEER_CASES}
     if unknown:
         raise SystemExit(f"unknown --ops {sorted(unknown)}")
     if not torch.cuda.is_available():
@@ -713,8 +661,6 @@ def main(argv=None) -> None:
             for T in args.chunk_T.split(",") if T and "chunk_kda" in ops]
     recs += [run_case("kda_decode_step", int(B), 1, peer, peer_missing, args.rep_ms)
              for B in args.decode_B.split(",") if B and "kda_decode_step" in ops]
-    if "gemv" in ops:
-        run_gemv(args.gemv_sweep)
     if args.decode_sweep and "kda_decode_step" in ops:
         for B in (int(b) for b in args.decode_B.split(",") if b):
             decode_sweep(B)

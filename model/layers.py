@@ -116,7 +116,7 @@ class KimiDeltaAttention(nn.Module):
         qkv, f, gate, b = self._project(x)
         o = ops.kda_decode_step(qkv, cache.taps, self.conv1d.weight[:, 0], f, fg.A_log, fg.dt_bias, b, cache.state,
                                 gate, self.o_norm.weight, self.eps)
-        return ops.linear(o.flatten(-2), self.o_proj.weight)
+        return self.o_proj(o.flatten(-2))
 
 
 class MultiLatentAttention(nn.Module):
@@ -135,7 +135,7 @@ class MultiLatentAttention(nn.Module):
         self.o_proj = nn.Linear(H * self.dv, D, bias=False)
 
     def _latent(self, x):
-        c, k_pe = ops.linear(x, self.kv_a_proj_with_mqa.weight).split([self.R, self.P], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.R, self.P], dim=-1)
         return self.kv_a_layernorm(c), k_pe
 
     def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int = 0) -> torch.Tensor:
@@ -161,7 +161,7 @@ class MultiLatentAttention(nn.Module):
         the attention output is mapped out of it (o_lat @ W_uv^T), so keys and values are never expanded.
         """
         B = x.shape[0]
-        q = ops.linear(x, self.q_proj.weight).view(B, self.H, -1)
+        q = self.q_proj(x).view(B, self.H, -1)
         q_nope, q_pe = q.split([self.dn, self.P], dim=-1)
         c, k_pe = self._latent(x)
         cache.c.index_copy_(1, pos.view(1), c[:, None])
@@ -172,7 +172,7 @@ class MultiLatentAttention(nn.Module):
         q_lat = ops.mla_absorb(q_nope, w_uk)                                                   # [B,H,R] fp32
         o_lat = ops.mla_decode_attention(q_lat, q_pe, cache.c, cache.k_pe, pos, self.scale)   # [B,H,R] fp32
         o = ops.mla_absorb(o_lat, w_uv.transpose(1, 2)).to(x.dtype)                           # [B,H,dv]
-        return ops.linear(o.reshape(B, self.H * self.dv), self.o_proj.weight)
+        return self.o_proj(o.reshape(B, self.H * self.dv))
 
 
 class MLP(nn.Module):

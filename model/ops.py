@@ -44,16 +44,6 @@ def _triton(t: torch.Tensor) -> bool:
     return mode == "triton" or (mode == "auto" and t.is_cuda)
 
 
-# ---- dense projections -------------------------------------------------------------------------
-def linear(x, weight):
-    """x @ weight^T, rounded once to x's dtype. One token (a decode step at batch 1): the Triton split-K GEMV;
-    otherwise F.linear (cuBLAS)."""
-    if _triton(x) and x.numel() == x.shape[-1]:
-        from .triton.gemv import gemv
-        return gemv(x, weight)
-    return F.linear(x, weight)
-
-
 # ---- KDA --------------------------------------------------------------------------------------
 kda_gate = kda.kda_gate
 
