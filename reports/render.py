@@ -160,12 +160,19 @@ def invalid_section(records: list[dict]) -> Section:
     return s
 
 
+VOIDED = "VOIDED"  # the verdict an erratum voided: the record is left out as an INVALID one is, its reason shown
+
+
 def apply_errata(records: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Records with the fields named by later `erratum` records removed (copies; the files are untouched)."""
+    """Records with the fields named by later `erratum` records removed (copies; the files are untouched).
+
+    `verdict` and `reasons` are not removed but replaced: an erratum that voids a record's verdict (say, one a
+    harness bug produced) leaves it out of every summary as VOIDED, with the erratum's reason as its reason."""
     errata = [r for r in records if r["kind"] == "erratum" and r["verdict"] == "VALID"]
-    void = defaultdict(set)
+    void, why = defaultdict(set), defaultdict(list)
     for e in errata:
         void[get(e, "params.record")].update(get(e, "params.fields", []))
+        why[get(e, "params.record")].append(f"erratum {short_id(e)}: {get(e, 'results.reason', '')}")
     out = []
     for r in records:
         if r["kind"] == "erratum":
@@ -173,6 +180,9 @@ def apply_errata(records: list[dict]) -> tuple[list[dict], list[dict]]:
         if r["id"] in void:
             r = json.loads(json.dumps(r))
             for dotted in void[r["id"]]:
+                if dotted in ("verdict", "reasons"):
+                    r["verdict"], r["reasons"] = VOIDED, why[r["id"]]
+                    continue
                 *path, leaf = dotted.split(".")
                 node = r
                 for part in path:
@@ -558,10 +568,12 @@ def render(records_root=None, out: str | Path = "reports") -> list[Section]:
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for old in (out / "figures").glob("*.png"):  # a figure whose section is now empty must not linger
-        old.unlink()
+    before = set((out / "figures").glob("*.png"))
     loaded = load(root=records_root)
-    sections = build(loaded, out)
+    sections = build(loaded, out)  # a failure here leaves the previous report's files in place
+    drawn = {out / b.file for sec in sections for b in sec.blocks if isinstance(b, Figure)}
+    for old in before - drawn:  # a figure whose section is now empty must not linger
+        old.unlink()
     kinds = defaultdict(int)
     for r in loaded.records:
         kinds[r["kind"]] += 1

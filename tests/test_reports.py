@@ -203,6 +203,36 @@ def test_an_erratum_removes_the_named_fields_from_the_report(tmp_path):
     assert "27,000" in summary
 
 
+def test_an_erratum_can_void_a_verdict_and_a_failed_render_keeps_the_last_report(tmp_path):
+    """An erratum naming `verdict` (a harness bug voided a good run, or passed a bad one) leaves the record out
+    of every summary as VOIDED with the erratum's reason; the render does not crash on it. A render that fails
+    on its records leaves the previous report's figures in place."""
+    from records import store
+    root = tmp_path / "rec"
+    rec = store.make_record("bench", preset="p", dtype="bfloat16", device="cuda", weights="w",
+                            params={"phase": "decode", "context": 1024, "batch": 1, "impl": "ours-graph", "peer": "hf"},
+                            results={"tok_s": 4321.5, "peer": "hf", "peer_tok_s": 4.0})
+    store.append(rec, root=root)
+    store.append(store.make_record("erratum", preset="p", dtype="bfloat16", device="cuda", weights="w",
+                                   params={"record": rec["id"], "fields": ["verdict", "reasons"]},
+                                   results={"reason": "compared against a state the timing had changed"}), root=root)
+    out = tmp_path / "out"
+    render.render(records_root=root, out=out)
+    summary = (out / "SUMMARY.md").read_text()
+    assert "compared against a state the timing had changed" in summary
+    assert "4,321" not in summary and "4321" not in summary      # in no speed table or plot
+    (out / "figures").mkdir(exist_ok=True)
+    figure = out / "figures" / "kept.png"
+    figure.write_bytes(b"png")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(render, "build", lambda loaded, out: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            render.render(records_root=root, out=out)
+    assert figure.exists()
+    render.render(records_root=root, out=out)
+    assert not figure.exists()  # a figure no section draws is removed once a render succeeds
+
+
 def test_noise_floor_cell_reads_gate_a_control():
     from reports.render import noise_cell
     r = {"results": {"per_prompt": [
