@@ -20,8 +20,11 @@ FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=
   `causal_conv1d` (3*H*D channels, 4 taps, from carried taps: ours must match torch's bits, rel_err 0) and
   `moe_combine` (T tokens x top-8 expert rows of 2304 plus the shared expert's, vs the index_add-into-fp32
   combine the grouped MoE used before).
-Times are medians of `triton.testing.do_bench` (L2 flushed before each call, CUDA events: GPU time, as under
-the model's CUDA graph); decode shapes also record back-to-back eager times (host launch cost included).
+Times are medians of `triton.testing.do_bench` (L2 flushed before each call, CUDA events: GPU time), the same
+method for ours and the peer; decode shapes also record back-to-back eager times (host launch cost included).
+For kernels of a few tens of microseconds do_bench is a poor guide to the time inside the model's decode graph
+(the flush leaves dirty L2 lines whose write-back competes with the next kernel's reads; such figures have
+swung by 1.6x between runs), so the choices of launch configs use `graph_ms` (below) instead.
 Outputs are compared in the same run (relative RMS error, fla as the reference). One `kernel` record per shape;
 an error in one shape or side becomes an INVALID record and the run goes on. Without fla, ours is still timed
 and every record is INVALID with reason "peer unavailable: ...".
