@@ -24,7 +24,8 @@ Times are medians of `triton.testing.do_bench` (L2 flushed before each call, CUD
 method for ours and the peer; decode shapes also record back-to-back eager times (host launch cost included).
 For kernels of a few tens of microseconds do_bench is a poor guide to the time inside the model's decode graph
 (the flush leaves dirty L2 lines whose write-back competes with the next kernel's reads; such figures have
-swung by 1.6x between runs: fla at batch 64 in kernel records dd7b3146 and fab91b33), so the choices of launch configs use `graph_ms` (below) instead.
+swung by 1.6x between runs: fla at batch 64 in kernel records dd7b3146 and fab91b33), so the choices of launch
+configs use `graph_ms` (below) instead.
 Outputs are compared in the same run (relative RMS error, fla as the reference). One `kernel` record per shape;
 an error in one shape or side becomes an INVALID record and the run goes on. Without fla, ours is still timed
 and every record is INVALID with reason "peer unavailable: ...".
