@@ -199,7 +199,8 @@ def decode_sweep(B: int) -> list[dict]:
     conv_w = (0.5 * torch.randn(C, W, generator=gen)).cuda().to(DTYPE)
     f = torch.randn(B, H * D, generator=gen).cuda().to(DTYPE)
     A_log, dt_bias = (torch.rand(H, generator=gen) * 3 - 1).cuda(), torch.randn(H * D, generator=gen).cuda()
-    b_raw, out_gate = torch.randn(B, H, generator=gen).cuda().to(DTYPE), torch.randn(B, H * D, generator=gen).cuda().to(DTYPE)
+    b_raw = torch.randn(B, H, generator=gen).cuda().to(DTYPE)
+    out_gate = torch.randn(B, H * D, generator=gen).cuda().to(DTYPE)
     norm_w = (1 + 0.1 * torch.randn(D, generator=gen)).cuda().to(DTYPE)
     layers = [(torch.randn(B, H, D, D, device="cuda"), torch.randn(B, W - 1, C, device="cuda").to(DTYPE))
               for _ in range(MOE_ROTATE)]
