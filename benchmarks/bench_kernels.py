@@ -95,6 +95,38 @@ def eager_ms(fn, n: int = 200) -> float:
     return start.elapsed_time(end) / n
 
 
+GRAPH_LAYERS = 32  # calls per timed CUDA graph, each on its own layer's weights or state (see graph_ms)
+GRAPH_TIMING = f"cuda-graph of {GRAPH_LAYERS} layers' calls, median of 20 replays, per call"
+
+
+def graph_ms(calls, reps: int = 20) -> float:
+    """Median GPU time per call of `calls`, captured back to back in one CUDA graph and replayed. As under the
+    model's decode graph: no host launch cost between kernels, and, since each call reads other weights (as each
+    of the model's layers reads its own), the weights come cold from HBM; a single repeated call would find a
+    good part of its 85 MB in the 50 MB L2, and do_bench's L2 flush leaves dirty lines whose write-back competes
+    with the reads of a 20-40 us kernel."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture: compilation, allocator
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in marks:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    ms = sorted(start.elapsed_time(end) for start, end in marks)
+    return ms[len(ms) // 2] / len(calls)
+
+
 def time_peer(fn, compare, res: dict, reasons: list, rep_ms: int, eager: bool = False) -> None:
     """Run the peer once (outputs compared with ours by `compare`), then time it; a failure becomes a
     reason, and ours stays measured."""
@@ -142,9 +174,9 @@ def chunk_case(T: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
     return res, reasons
 
 
-def decode_case(B: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
-    from model import kda
-    from model.triton.kda_decode import fused_kda_decode
+def decode_step_inputs(B: int) -> tuple:
+    """Seeded inputs of one KDA layer's decode step at batch B, as the model holds them: (qkv_raw, taps, conv_w,
+    f, A_log, dt_bias, b_raw, out_gate, norm_w, state)."""
     gen = torch.Generator().manual_seed(B)
     C = 3 * H * D
     qkv_raw = torch.randn(B, C, generator=gen).cuda().to(DTYPE)
@@ -157,6 +189,13 @@ def decode_case(B: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
     out_gate = torch.randn(B, H * D, generator=gen).cuda().to(DTYPE)
     norm_w = (1 + 0.1 * torch.randn(D, generator=gen)).cuda().to(DTYPE)
     state = torch.randn(B, H, D, D, generator=gen).cuda()
+    return qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, out_gate, norm_w, state
+
+
+def decode_case(B: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
+    from model import kda
+    from model.triton.kda_decode import fused_kda_decode
+    qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, out_gate, norm_w, state = decode_step_inputs(B)
     # what fla is handed: the conv, gate and beta the model computes before its kernel
     y, _ = kda.causal_conv1d(qkv_raw[:, None], conv_w, taps)
     q, k, v = (t.unflatten(-1, (H, D)) for t in y.chunk(3, dim=-1))
@@ -191,19 +230,11 @@ DECODE_SWEEP = [dict(BV=bv, num_warps=nw) for bv in (8, 16, 32, 64) for nw in (1
 def decode_sweep(B: int) -> list[dict]:
     """Our decode step at each config of DECODE_SWEEP, timed as the model runs it (`graph_ms` over 32 layers,
     each with its own state and conv taps), the output checked against the default's. One record per config."""
-    from model.triton.kda_decode import DECODE, DECODE_LARGE, LARGE_BATCH, fused_kda_decode
+    from model.triton.kda_decode import decode_config, fused_kda_decode
     from records import store
-    gen = torch.Generator().manual_seed(B)
-    C = 3 * H * D
-    qkv_raw = torch.randn(B, C, generator=gen).cuda().to(DTYPE)
-    conv_w = (0.5 * torch.randn(C, W, generator=gen)).cuda().to(DTYPE)
-    f = torch.randn(B, H * D, generator=gen).cuda().to(DTYPE)
-    A_log, dt_bias = (torch.rand(H, generator=gen) * 3 - 1).cuda(), torch.randn(H * D, generator=gen).cuda()
-    b_raw = torch.randn(B, H, generator=gen).cuda().to(DTYPE)
-    out_gate = torch.randn(B, H * D, generator=gen).cuda().to(DTYPE)
-    norm_w = (1 + 0.1 * torch.randn(D, generator=gen)).cuda().to(DTYPE)
-    layers = [(torch.randn(B, H, D, D, device="cuda"), torch.randn(B, W - 1, C, device="cuda").to(DTYPE))
-              for _ in range(MOE_ROTATE)]
+    qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, out_gate, norm_w, state = decode_step_inputs(B)
+    # each timed layer its own state and conv taps (the first layer's are the seeded ones)
+    layers = [(state, taps)] + [(torch.randn_like(state), torch.randn_like(taps)) for _ in range(GRAPH_LAYERS - 1)]
 
     def step(L, cfg):
         return fused_kda_decode(qkv_raw, L[1].clone(), conv_w, f, A_log, dt_bias, b_raw, L[0].clone(),
@@ -223,12 +254,12 @@ def decode_sweep(B: int) -> list[dict]:
                                                                          b_raw, L[0], out_gate=out_gate,
                                                                          norm_weight=norm_w, cfg=cfg)
                                             for L in layers]),
-                       "rel_err_vs_default": err, "timing": MOE_TIMING}
+                       "rel_err_vs_default": err, "timing": GRAPH_TIMING}
         except Exception as e:  # a config that fails to compile or run is recorded and skipped
             traceback.print_exc()
             results, reasons = {}, [f"{cfg} failed: {type(e).__name__}: {e}"]
         params = {"op": "kda_decode_step", "B": B, "T": 1, "H": H, "d": D, "dtype": "bfloat16", "sweep": True,
-                  "cfg": {**(DECODE_LARGE if B >= LARGE_BATCH else DECODE), **cfg}}
+                  "cfg": {**decode_config(B), **cfg}}
         rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=torch.cuda.get_device_name(),
                                 weights=None, params=params, results=results,
                                 verdict="INVALID" if reasons else "VALID", reasons=reasons)
@@ -390,8 +421,6 @@ def summarize(recs: list[dict]) -> None:
 # activations, rounding where the kernels round.
 MOE_E, MOE_D, MOE_I, MOE_K, MOE_SCALING = 256, 2304, 1024, 8, 2.446
 MOE_PEER = "torch-gather-einsum"
-MOE_ROTATE = 32  # calls per timed CUDA graph, each on its own router, experts and shared expert (see graph_ms)
-MOE_TIMING = f"cuda-graph of {MOE_ROTATE} layers' calls, median of 20 replays, per call"
 NOMINAL_GBPS = 4250.0  # the H200's HBM figure the task is stated against; the measured read ceiling sits beside it
 MOE_PARTS = ("moe_router", "moe_gate_up", "moe_down", "moe_layer")
 
@@ -432,36 +461,8 @@ def torch_down(act, idx, w, down, sd):
     return y.to(act.dtype)
 
 
-def graph_ms(calls, reps: int = 20) -> float:
-    """Median GPU time per call of `calls`, captured back to back in one CUDA graph and replayed. As under the
-    model's decode graph: no host launch cost between kernels, and, since each call reads other weights (as each
-    of the model's layers reads its own), the weights come cold from HBM; a single repeated call would find a
-    good part of its 85 MB in the 50 MB L2, and do_bench's L2 flush leaves dirty lines whose write-back competes
-    with the reads of a 20-40 us kernel."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture: compilation, allocator
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in marks:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    ms = sorted(start.elapsed_time(end) for start, end in marks)
-    return ms[len(ms) // 2] / len(calls)
-
-
 class MoeCase:
-    """Random weights at the real shapes for MOE_ROTATE layers and N tokens. `fns(part, cfg)` gives (ours, peer)
+    """Random weights at the real shapes for GRAPH_LAYERS layers and N tokens. `fns(part, cfg)` gives (ours, peer)
     on the first layer, for the comparison; `calls(part, cfg)` gives both sides' calls over all the layers, for
     timing (graph_ms)."""
 
@@ -470,7 +471,7 @@ class MoeCase:
         from model.triton import moe
         g = torch.Generator(device=device).manual_seed(N)
         self.device = device
-        E, D, I, K, R = MOE_E, MOE_D, MOE_I, MOE_K, MOE_ROTATE
+        E, D, I, K, R = MOE_E, MOE_D, MOE_I, MOE_K, GRAPH_LAYERS
 
         def rnd(*shape, scale, dtype=DTYPE):
             return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
@@ -546,7 +547,7 @@ def moe_measure(case: MoeCase, part: str, cfg: dict | None, rep_ms: int, hbm_gbp
     ours_calls, peer_calls = case.calls(part, cfg)
     res["ours_ms"] = graph_ms(ours_calls)
     res["peer_ms"] = peer_ms if peer_ms is not None else graph_ms(peer_calls)
-    res["peer"], res["bytes"], res["timing"] = MOE_PEER, case.bytes[part], MOE_TIMING
+    res["peer"], res["bytes"], res["timing"] = MOE_PEER, case.bytes[part], GRAPH_TIMING
     for who in ("ours", "peer"):
         gbps = case.bytes[part] / (res[f"{who}_ms"] / 1e3) / 1e9
         res[f"{who}_gbps"], res[f"{who}_frac_of_nominal"] = gbps, gbps / NOMINAL_GBPS

@@ -419,17 +419,26 @@ def natural(text: str) -> list:
 
 
 def kernel_label(r: dict) -> str:
-    """`op` (bench_kernels' name; `kernel` in older records) and the shape parameters; the prose `*_scope`
-    parameters and a dtype repeated from the record are left to the record itself."""
+    """`op` (bench_kernels' name; `kernel` alone in older records, the part of it in MoE records) and the shape
+    parameters. Left to the record itself: the prose `*_scope` parameters, a dtype repeated from the record, and
+    the launch `cfg`, so that a kernel shape keeps one row when its default tiles change (the latest is shown)."""
     params = r["params"] or {}
-    name = params.get("op", params.get("kernel", "?"))
+    op, part = params.get("op"), params.get("kernel")
+    name = f"{op} {part}" if op and part else (op or part or "?")
     rest = " ".join(f"{k}={v}" for k, v in sorted(params.items())
-                    if k not in ("op", "kernel", "dtype") and not k.endswith("_scope"))
+                    if k not in ("op", "kernel", "dtype", "cfg") and not k.endswith("_scope"))
     return f"{name} {rest} {r['dtype'] or params.get('dtype', '')}".strip()
 
 
 def kernels_section(kernels: list[dict], out: Path) -> Section:
+    """The latest record per kernel shape. Sweep records (`params.sweep`: one per launch config tried, hundreds a
+    run) are counted, not drawn: they are the evidence behind a default, cited where the default is set."""
     s = Section("Kernel timings, ours vs peer")
+    sweeps = [r for r in kernels if get(r, "params.sweep")]
+    kernels = [r for r in kernels if not get(r, "params.sweep")]
+    if sweeps:
+        s.blocks.append(f"{len(sweeps)} launch-config sweep record(s) are not drawn (see `bench_kernels --moe-sweep` "
+                        f"and `--decode-sweep`; the defaults cite them).")
     if not kernels:
         s.blocks.append(NO_RECORDS)
         return s

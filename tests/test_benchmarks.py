@@ -260,7 +260,7 @@ def test_moe_decode_bench_plumbing(records_dir, monkeypatch):
     monkeypatch.setattr(bk, "MOE_D", 64)
     monkeypatch.setattr(bk, "MOE_I", 32)
     monkeypatch.setattr(bk, "MOE_K", 4)
-    monkeypatch.setattr(bk, "MOE_ROTATE", 3)
+    monkeypatch.setattr(bk, "GRAPH_LAYERS", 3)
     monkeypatch.setattr(bk, "graph_ms", lambda calls: ([c() for c in calls], 0.01)[1])
     monkeypatch.setattr(roofline, "measure_read_gbps", lambda device, nbytes, reps: 4000.0)
     grid = {"moe_gate_up": [dict(BLOCK_I=8, BLOCK_D=32, num_warps=4), dict(BLOCK_I=4, BLOCK_D=64, num_warps=4)],

@@ -233,6 +233,28 @@ def test_an_erratum_can_void_a_verdict_and_a_failed_render_keeps_the_last_report
     assert not figure.exists()  # a figure no section draws is removed once a render succeeds
 
 
+def test_kernel_sweep_records_are_counted_not_drawn(tmp_path):
+    """A launch-config sweep writes a record per config; the kernel section draws the default-config records
+    only (a sweep of hundreds made a 14,600-pixel-tall figure) and says how many sweep records it left out."""
+    from records import store
+    root = tmp_path / "rec"
+    base = dict(op="moe_decode", kernel="moe_gate_up", N=1)
+    store.append(store.make_record("kernel", preset=None, dtype="bfloat16", device="cuda", weights=None,
+                                   params=base, results={"ours_ms": 0.0245, "peer_ms": 0.1167, "peer": "torch"}),
+                 root=root)
+    for bi in (4, 8, 16):
+        store.append(store.make_record("kernel", preset=None, dtype="bfloat16", device="cuda", weights=None,
+                                       params={**base, "sweep": True, "cfg": {"BLOCK_I": bi}},
+                                       results={"ours_ms": 0.03 + bi / 1000, "peer_ms": 0.1167, "peer": "torch"}),
+                     root=root)
+    sections = render.render(records_root=root, out=tmp_path / "out")
+    kern = next(s for s in sections if s.title.startswith("Kernel timings"))
+    table = next(b for b in kern.blocks if isinstance(b, render.Table))
+    assert len(table.rows) == 1 and "sweep" not in table.rows[0][0]
+    assert table.rows[0][0].startswith("moe_decode moe_gate_up")  # the MoE part stays in the label
+    assert any(isinstance(b, str) and b.startswith("3 launch-config sweep record(s)") for b in kern.blocks)
+
+
 def test_noise_floor_cell_reads_gate_a_control():
     from reports.render import noise_cell
     r = {"results": {"per_prompt": [

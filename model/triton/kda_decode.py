@@ -23,6 +23,11 @@ DECODE_LARGE = dict(BV=16, num_warps=4)
 LARGE_BATCH = 16
 
 
+def decode_config(B: int) -> dict:
+    """The launch config for batch B (see above)."""
+    return DECODE_LARGE if B >= LARGE_BATCH else DECODE
+
+
 @triton.jit
 def _short_conv(x, taps, conv_w, i_b, ch, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
     """Depthwise causal conv of the current input with the W-1 stored taps, then SiLU, for channels ch.
@@ -198,7 +203,7 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     if norm_weight is not None:
         out_gate, norm_weight = out_gate.contiguous(), norm_weight.contiguous()
     o = mt.empty(B, H, D, dtype=qkv_raw.dtype, device=state.device)
-    c = {**(DECODE_LARGE if B >= LARGE_BATCH else DECODE), **(cfg or {})}
+    c = {**decode_config(B), **(cfg or {})}
     BV = min(D, c["BV"])
     _kda_decode_kernel[(B * H, D // BV)](qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, o,
                                      out_gate, norm_weight, mt.arrival_counters(state.device, B * H),

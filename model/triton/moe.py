@@ -188,13 +188,14 @@ def _topk_route(logit, offs, mask, bias_ptr, idx_ptr, w_ptr, scaling, K: tl.cons
     choice = s + tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     bits = choice.to(tl.int32, bitcast=True)
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # int order == float order
-    key = tl.where(mask, (ordered << 32) | (BLOCK_E - 1 - offs).to(tl.int64), -(1 << 62) * 2)
+    taken = -(1 << 62) * 2  # int64 min: below every valid key, so a masked or chosen lane is never picked
+    key = tl.where(mask, (ordered << 32) | (BLOCK_E - 1 - offs).to(tl.int64), taken)
     offs_k = tl.arange(0, K)
     chosen_i = tl.zeros([K], dtype=tl.int32)
     for k in range(K):
         best = tl.max(key, axis=0)
         chosen_i = tl.where(offs_k == k, (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32), chosen_i)
-        key = tl.where(key == best, -(1 << 62) * 2, key)
+        key = tl.where(key == best, taken, key)
     # the chosen lanes' unbiased scores: a [K] x [BLOCK_E] one-hot contraction, no per-choice reduction
     chosen_w = tl.sum(tl.where(offs[None, :] == chosen_i[:, None], s[None, :], 0.0), axis=1)
     if RENORM:
