@@ -3,7 +3,7 @@
     python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine]
         [--chunk-T 1024,8192,32768] [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
-    python -m benchmarks.bench_kernels --ops kda_decode_fold,mla_decode_layout [--decode-B 1,8,64] [--mla-T 1056,8192]
+    python -m benchmarks.bench_kernels --ops mla_decode_layout [--mla-T 1056,8192]
 
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
 FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=32 heads, head dim 128, bf16.
@@ -40,13 +40,10 @@ routed experts) captured in one CUDA graph, as the model's decode step runs them
 `--moe-sweep` also times every tile config of `moe_sweep_grid` and logs the best per kernel; pick the
 defaults in model/triton/moe.py (GATE_UP, DOWN, ROUTER) from it.
 
-`--ops kda_decode_fold`: the KDA decode step with f_b|g_b folded into the kernel (`gate_b_weight`, what
-`ops.KDA_DECODE_FOLD_GATE_B` selects) against the composition it replaces (peer "bmm+kernel": `kda.gate_b_proj`,
-cuBLAS's batched GEMV, then the kernel), `graph_ms` over KDA_LAYERS layers' calls (each its own state, taps
-and weights), at each --decode-B. `--ops mla_decode_layout`: `mla_decode` (split kernel + combine) in
-`default_layout` against the all-heads layout (peer "all-heads": `default_split`, 32 heads a program), for
-each SHORT of MLA_SHORTS, `graph_ms` over MLA_LAYERS layers' calls (each its own cache), batch 1, a buffer of
-T positions (--mla-T), the query at T-1. Both check ours against the peer's output in the same run.
+`--ops mla_decode_layout`: `mla_decode` (split kernel + combine) in `default_layout` against the all-heads
+layout (peer "all-heads": `default_split`, 32 heads a program), for each SHORT of MLA_SHORTS, `graph_ms` over
+MLA_LAYERS layers' calls (each its own cache), batch 1, a buffer of T positions (--mla-T), the query at T-1;
+ours is checked against the peer's output in the same run.
 """
 from __future__ import annotations
 
@@ -105,7 +102,20 @@ def eager_ms(fn, n: int = 200) -> float:
 
 
 GRAPH_LAYERS = 32  # calls per timed CUDA graph, each on its own layer's weights or state (see graph_ms)
-GRAPH_TIMING = f"cuda-graph of {GRAPH_LAYERS} layers' calls, median of 20 replays, per call"
+
+
+def graph_timing(n: int) -> str:
+    """How graph_ms timed: the `timing` field of the records it gives."""
+    return f"cuda-graph of {n} layers' calls, median of 20 replays, per call"
+
+
+def kernel_record(params: dict, results: dict, reasons: list[str], device: str) -> dict:
+    from records import store
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else device
+    rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=name, weights=None, params=params,
+                            results=results, verdict="INVALID" if reasons else "VALID", reasons=reasons)
+    store.append(rec)
+    return rec
 
 
 def graph_ms(calls, reps: int = 20) -> float:
@@ -240,7 +250,6 @@ def decode_sweep(B: int) -> list[dict]:
     """Our decode step at each config of DECODE_SWEEP, timed as the model runs it (`graph_ms` over 32 layers,
     each with its own state and conv taps), the output checked against the default's. One record per config."""
     from model.triton.kda_decode import decode_config, fused_kda_decode
-    from records import store
     qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, out_gate, norm_w, state = decode_step_inputs(B)
     # each timed layer its own state and conv taps (the first layer's are the seeded ones)
     layers = [(state, taps)] + [(torch.randn_like(state), torch.randn_like(taps)) for _ in range(GRAPH_LAYERS - 1)]
@@ -263,16 +272,13 @@ def decode_sweep(B: int) -> list[dict]:
                                                                          b_raw, L[0], out_gate=out_gate,
                                                                          norm_weight=norm_w, cfg=cfg)
                                             for L in layers]),
-                       "rel_err_vs_default": err, "timing": GRAPH_TIMING}
+                       "rel_err_vs_default": err, "timing": graph_timing(len(layers))}
         except Exception as e:  # a config that fails to compile or run is recorded and skipped
             traceback.print_exc()
             results, reasons = {}, [f"{cfg} failed: {type(e).__name__}: {e}"]
         params = {"op": "kda_decode_step", "B": B, "T": 1, "H": H, "d": D, "dtype": "bfloat16", "sweep": True,
                   "cfg": {**decode_config(B), **cfg}}
-        rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=torch.cuda.get_device_name(),
-                                weights=None, params=params, results=results,
-                                verdict="INVALID" if reasons else "VALID", reasons=reasons)
-        store.append(rec)
+        rec = kernel_record(params, results, reasons, "cuda")
         recs.append(rec)
         log(f"  kda_decode_step B={B:<3d} {cfg}  ours={_ms(results.get('ours_ms'))} (graph)  {rec['verdict']}")
         if not reasons and (best is None or results["ours_ms"] < best[1]):
@@ -282,17 +288,7 @@ def decode_sweep(B: int) -> list[dict]:
     return recs
 
 
-KDA_LAYERS, MLA_LAYERS = 20, 7  # the 48B-A3B's KDA and MLA layers: calls per timed graph
-GRAPH_TIMING = "cuda-graph of one call per layer, median of 20 replays, per call"
-
-
-def kernel_record(params: dict, results: dict, reasons: list[str], device: str) -> dict:
-    from records import store
-    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else device
-    rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=name, weights=None, params=params,
-                            results=results, verdict="INVALID" if reasons else "VALID", reasons=reasons)
-    store.append(rec)
-    return rec
+MLA_LAYERS = 7  # the 48B-A3B's MLA layers: calls per timed graph
 
 
 def versus(results: dict, reasons: list[str], ours, theirs, tol: float) -> None:
@@ -304,51 +300,6 @@ def versus(results: dict, reasons: list[str], ours, theirs, tol: float) -> None:
     if not results["rel_err_vs_peer"] <= tol:
         reasons.append(f"ours differs from {results['peer']}: relative RMS error {results['rel_err_vs_peer']:.3g} "
                        f"> {tol}")
-
-
-def kda_fold_case(B: int, device: str = "cuda") -> dict:
-    """The decode step with f_b|g_b in the kernel against bmm then the kernel, graph-timed over KDA_LAYERS."""
-    from model import kda
-    from model.triton.kda_decode import fused_kda_decode
-    g = torch.Generator(device=device).manual_seed(B)
-
-    def rnd(*shape, scale=1.0, dtype=DTYPE):
-        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
-
-    C = 3 * H * D
-    qkv_raw, fg_a, b_raw = rnd(B, C + 2 * D + H).split([C, 2 * D, H], dim=-1)   # views, as the model's
-    conv_w, norm_w = rnd(C, W, scale=0.5), 1 + rnd(D, scale=0.1)
-    A_log = torch.rand(H, generator=g, device=device) * 3 - 1
-    dt_bias = rnd(H * D, dtype=torch.float32)
-    layers = [(rnd(B, H, D, D, dtype=torch.float32), rnd(B, W - 1, C), rnd(2, H * D, D, scale=D ** -0.5))
-              for _ in range(KDA_LAYERS)]
-
-    def ours(L):
-        return fused_kda_decode(qkv_raw, L[1], conv_w, fg_a, A_log, dt_bias, b_raw, L[0], norm_weight=norm_w,
-                                gate_b_weight=L[2])
-
-    def theirs(L):
-        f, gate = kda.gate_b_proj(fg_a, L[2])
-        return fused_kda_decode(qkv_raw, L[1], conv_w, f, A_log, dt_bias, b_raw, L[0], out_gate=gate,
-                                norm_weight=norm_w)
-
-    params = {"op": "kda_decode_fold", "B": B, "T": 1, "H": H, "d": D, "dtype": "bfloat16",
-              "ours_scope": "decode step with f_b|g_b in the kernel", "peer_scope": "batched GEMV, then the step"}
-    results, reasons = {"peer": "bmm+kernel", "timing": GRAPH_TIMING}, []
-    try:
-        first = layers[0]   # compared from pristine copies: the timed calls update state and taps in place
-        o_ref = theirs((first[0].clone(), first[1].clone(), first[2]))
-        o = ours((first[0].clone(), first[1].clone(), first[2]))
-        results["ours_ms"] = graph_ms([lambda L=L: ours(L) for L in layers])
-        results["peer_ms"] = graph_ms([lambda L=L: theirs(L) for L in layers])
-        versus(results, reasons, o, o_ref, 1e-2)
-    except Exception as e:  # record the failure, go on with the next shape
-        traceback.print_exc()
-        reasons.append(f"kda_decode_fold failed: {type(e).__name__}: {e}")
-    rec = kernel_record(params, results, reasons, device)
-    log(f"  kda_decode_fold B={B:<3d} ours={_ms(results.get('ours_ms'))} bmm+kernel={_ms(results.get('peer_ms'))} "
-        f"(graph, per layer) rel_err={results.get('rel_err_vs_peer', float('nan')):.2e}  {rec['verdict']} {reasons}")
-    return rec
 
 
 MLA_SHORTS = (dict(heads=16, BL=32), dict(heads=16, BL=64))  # the SHORT layouts mla_decode_layout times
@@ -373,7 +324,7 @@ def mla_layout_case(T: int, device: str = "cuda") -> list[dict]:
         layout = ml.default_layout(T, 1, MLA_H, dev)
         params = {"op": "mla_decode_layout", "B": 1, "T": T, "H": MLA_H, "d": MLA_R + MLA_P, "dtype": "bfloat16",
                   "short": short, "split": layout[0], "heads": layout[1], "peer_split": split}
-        results, reasons = {"peer": "all-heads", "timing": GRAPH_TIMING}, []
+        results, reasons = {"peer": "all-heads", "timing": graph_timing(MLA_LAYERS)}, []
         try:
             o = ml.mla_decode(q_lat, q_pe, c, k_pe, pos, scale)
             o_peer = ml.mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split=split)
@@ -476,7 +427,6 @@ TORCH_PEER_CASES = {"causal_conv1d": conv_case, "moe_combine": combine_case}
 
 
 def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int) -> dict:
-    from records import store
     params = {"op": op, "B": B, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
     if op == "kda_decode_step":
         params.update(ours_scope="conv-tap update through gated output norm, one launch",
@@ -512,10 +462,7 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
                            f"> {tol}")
     elif not reasons:
         reasons.append("no peer time")
-    rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=torch.cuda.get_device_name(),
-                            weights=None, params=params, results=results,
-                            verdict="INVALID" if reasons else "VALID", reasons=reasons)
-    store.append(rec)
+    rec = kernel_record(params, results, reasons, "cuda")
     log(f"  {results}  {rec['verdict']} {reasons}")
     return rec
 
@@ -674,7 +621,7 @@ def moe_measure(case: MoeCase, part: str, cfg: dict | None, rep_ms: int, hbm_gbp
     ours_calls, peer_calls = case.calls(part, cfg)
     res["ours_ms"] = graph_ms(ours_calls)
     res["peer_ms"] = peer_ms if peer_ms is not None else graph_ms(peer_calls)
-    res["peer"], res["bytes"], res["timing"] = MOE_PEER, case.bytes[part], GRAPH_TIMING
+    res["peer"], res["bytes"], res["timing"] = MOE_PEER, case.bytes[part], graph_timing(GRAPH_LAYERS)
     for who in ("ours", "peer"):
         gbps = case.bytes[part] / (res[f"{who}_ms"] / 1e3) / 1e9
         res[f"{who}_gbps"], res[f"{who}_frac_of_nominal"] = gbps, gbps / NOMINAL_GBPS
@@ -690,7 +637,6 @@ def moe_measure(case: MoeCase, part: str, cfg: dict | None, rep_ms: int, hbm_gbp
 def moe_record(part: str, N: int, cfg: dict | None, results: dict, reasons: list[str], sweep: bool,
                device: str) -> dict:
     from model.triton import moe
-    from records import store
     default = {"moe_router": moe.ROUTER, "moe_gate_up": moe.GATE_UP, "moe_down": moe.DOWN}.get(part)
     params = {"kernel": part, "op": "moe_decode", "N": N, "E": MOE_E, "D": MOE_D, "I": MOE_I, "K": MOE_K,
               "shared_experts": 1, "dtype": "bfloat16"}
@@ -698,11 +644,7 @@ def moe_record(part: str, N: int, cfg: dict | None, results: dict, reasons: list
         params["cfg"] = {**default, **(cfg or {})}
     if sweep:
         params["sweep"] = True
-    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else device
-    rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=name, weights=None, params=params,
-                            results=results, verdict="INVALID" if reasons else "VALID", reasons=reasons)
-    store.append(rec)
-    return rec
+    return kernel_record(params, results, reasons, device)
 
 
 def moe_line(part: str, N: int, cfg, x: dict, rec: dict) -> str:
@@ -768,8 +710,7 @@ def run_moe(Ns: list[int], sweep: bool, rep_ms: int, device: str = "cuda") -> li
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode," + ",".join(TORCH_PEER_CASES),
-                    help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, kda_decode_fold, "
-                         "mla_decode_layout, " + ", ".join(TORCH_PEER_CASES))
+                    help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, mla_decode_layout, " + ", ".join(TORCH_PEER_CASES))
     ap.add_argument("--chunk-T", default="1024,8192,32768")
     ap.add_argument("--decode-B", default="1,8,64")
     ap.add_argument("--mla-T", default="1024,32768,131072", help="mla_decode contexts (batch 1)")
@@ -781,8 +722,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
-    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "kda_decode_fold",
-                          "mla_decode_layout", *TORCH_PEER_CASES}
+    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "mla_decode_layout",
+                          *TORCH_PEER_CASES}
     if unknown:
         raise SystemExit(f"unknown --ops {sorted(unknown)}")
     if not torch.cuda.is_available():
@@ -803,9 +744,6 @@ def main(argv=None) -> None:
     recs += [run_case(op, 1, int(T), None, None, args.rep_ms)
              for T in args.prefill_T.split(",") if T for op in TORCH_PEER_CASES if op in ops]
     summarize(recs)
-    if "kda_decode_fold" in ops:
-        for B in (int(b) for b in args.decode_B.split(",") if b):
-            kda_fold_case(B)
     if "mla_decode_layout" in ops:
         for T in (int(t) for t in args.mla_T.split(",") if t):
             mla_layout_case(T)

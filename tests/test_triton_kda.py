@@ -567,9 +567,11 @@ def sm90_spills() -> dict:
                  **dict.fromkeys(["o_part", "m_part", "l_part"], f32), "qk_scale": "fp32",
                  **dict.fromkeys(["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l", "s_kpe_b", "s_kpe_l"], "i32")}
     hs, bls = ml.SHORT["heads"], ml.SHORT["BL"]
-    for name, split in (("mla_split_short", 2 * bls), ("mla_split_short_long", 1024)):  # head groups, short buffers
+    # head groups (short buffers): SHORT's step at its shortest split, and _BL's where the split allows it
+    for name, split, step in (("mla_split_short", 2 * bls, bls), ("mla_split_short_step64", 2 * ml._BL, ml._BL),
+                              ("mla_split_short_long", 1024, ml._BL)):
         out[name] = stack_bytes(ml._mla_decode_split_kernel, split_sig,
-                                dict(H=H, R=R, P=P, HG=hs, HP=hs, RP=R, PP=P, SPLIT=split, BL=bls, BF16=True,
+                                dict(H=H, R=R, P=P, HG=hs, HP=hs, RP=R, PP=P, SPLIT=split, BL=step, BF16=True,
                                      MMA=True), num_warps=ml._WARPS)
     out["mla_split_short_fp32"] = stack_bytes(ml._mla_decode_split_kernel, {**split_sig, **dict.fromkeys(
                                                   ["q_pe", "c", "k_pe"], f32)},
@@ -638,7 +640,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["moe_gate_up"] == 0 and spills["moe_down"] == 0 and spills["moe_route"] == 0, spills
     assert spills["mla_split"] == 0 and spills["mla_combine"] == 0 and spills["mla_absorb"] == 0, spills
     assert spills["mla_split_fp32"] == 0 and spills["mla_split_min"] == 0, spills
-    assert spills["mla_split_short"] == 0 and spills["mla_split_short_long"] == 0, spills
+    assert spills["mla_split_short"] == spills["mla_split_short_step64"] == spills["mla_split_short_long"] == 0, spills
     assert spills["mla_split_short_fp32"] == 0, spills
     # measured trade-offs, see model/triton/kda_chunk.py: the 4-warp prep spills and is still the fastest
     assert spills["scan"] <= 16 and spills["prep"] <= 1280, spills

@@ -34,6 +34,10 @@ _WARPS = 8
 # grouped, still fit on the SMs at once. sm_90, 16 heads x 512: 161 registers at BL=32 (8 warps), no spills;
 # BL=64: 205 (8 warps; 4 warps spill). At 1k positions: 34 programs (17 splits of 64, 2 head groups) against
 # 8. None: the standard layout at every length.
+# Where the split is two or more of _BL, the loop takes steps of _BL even in head groups: fewer, longer steps.
+# Graph-timed per layer on the H200 (16 heads a program, `bench_kernels --ops mla_decode_layout`): at 1056
+# positions splits of 64 in steps of 32 take 11.8 us `0f2d6f68` (of 128 in steps of 64: 12.8 us `8607c857`); at
+# 8192 splits of 128 take 20.5 us in steps of 32 `9607ca09`, 17.2 us in steps of 64 `396ad3e7`; all heads 22.0.
 SHORT: dict | None = dict(heads=16, BL=32)
 # An fp32 cache takes IEEE dots of fp32 tiles: at BL=64 they need 377 KB of shared memory (sm_90 has 227 KB;
 # the H200 refused the launch), at 16 positions 150 KB with no spills at 8 warps.
@@ -201,6 +205,7 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads
     if heads < 1 or split % unit or split < 2 * unit:
         raise ValueError(f"mla_decode: split must be a multiple of {unit} and >= {2 * unit} at {heads} heads a "
                          f"program, got {split}")
+    step = _BL if split % _BL == 0 and split >= 2 * _BL else unit
     ns = triton.cdiv(L, split)
     o_part = mt.empty(B, ns, H, R, dtype=torch.float32, device=c.device)
     m_part = mt.empty(B, ns, H, dtype=torch.float32, device=c.device)
@@ -211,7 +216,7 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads
         q_lat, q_pe, c, k_pe, pos, o_part, m_part, l_part, scale * 1.4426950408889634,
         q_pe.stride(0), q_pe.stride(1), c.stride(0), c.stride(1), k_pe.stride(0), k_pe.stride(1),
         H=H, R=R, P=P, HG=heads, HP=_pad(heads), RP=RP, PP=_pad(P), SPLIT=split,
-        BL=unit if c.dtype == torch.bfloat16 else _BL_FP32, BF16=c.dtype == torch.bfloat16,
+        BL=step if c.dtype == torch.bfloat16 else _BL_FP32, BF16=c.dtype == torch.bfloat16,
         MMA=_compiled(), num_warps=_WARPS)
     BR = min(RP, 128)
     nsp = triton.next_power_of_2(ns)
