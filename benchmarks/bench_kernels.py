@@ -32,9 +32,8 @@ an error in one shape or side becomes an INVALID record and the run goes on. Wit
 and every record is INVALID with reason "peer unavailable: ...".
 
 `--ops moe_decode`: the batch-N decode MoE of 48B-A3B at its real shapes (random weights, one layer): the
-fused router (GEMV + top-k, one launch), the routed experts' gate_up and down kernels, and the whole block
-(`moe_layer`: `ops.moe`, the shared expert on a side stream), each against PyTorch forms of the same part in the
-same run (see MoeCase), with GB/s over the
+fused router (GEMV + top-k, one launch), the gate_up and down expert kernels, and the three in sequence
+(`moe_layer`), each against PyTorch forms of the same part in the same run (see MoeCase), with GB/s over the
 bytes an ideal kernel reads, as a fraction of 4.25 TB/s and of the read ceiling measured in the run.
 These are timed by `graph_ms`, not do_bench: 32 layers' calls (each layer its own router, shared expert and
 routed experts) captured in one CUDA graph, as the model's decode step runs them.
@@ -503,11 +502,12 @@ MOE_PARTS = ("moe_router", "moe_gate_up", "moe_down", "moe_layer")
 def moe_sweep_grid() -> dict[str, list[dict]]:
     """Tile configs the sweep times, per kernel: those whose one-step tile is at most 256 bytes a thread (beyond
     that the loads spill registers)."""
+    kp = MOE_K
     return {
         "moe_gate_up": [dict(BLOCK_I=bi, BLOCK_D=bd, num_warps=nw) for bi in (4, 8, 16, 32)
                         for bd in (128, 256, 512) for nw in (4, 8) if 2 * bi * bd * 2 <= 256 * 32 * nw],
         "moe_down": [dict(BLOCK_D=bd, BLOCK_I=bi, num_warps=nw) for bd in (1, 2, 4, 8)
-                     for bi in (256, 512, 1024) for nw in (4, 8) if MOE_K * bd * bi * 2 <= 256 * 32 * nw],
+                     for bi in (256, 512, 1024) for nw in (4, 8) if (kp + 1) * bd * bi * 2 <= 256 * 32 * nw],
         # the router also at 1 and 2 warps: the routing after the GEMV is 8 max-reductions over 256 lanes, which
         # within one warp are shuffles, without the shared-memory round trips of a multi-warp reduction
         "moe_router": [dict(BLOCK_E=be, num_warps=nw) for be in (1, 2, 4, 8) for nw in (1, 2, 4, 8)
@@ -515,33 +515,33 @@ def moe_sweep_grid() -> dict[str, list[dict]]:
     }
 
 
-def torch_gate_up(x, idx, gate_up):
-    """act [N*K, I] as `moe.expert_gate_up` computes it: silu(w1 x) * (w3 x) per chosen expert, each projection
-    rounded to x's dtype, as F.linear's."""
+def torch_gate_up(x, idx, gate_up, sg, su):
+    """act [N*(K+1), I] as `moe.expert_gate_up` computes it: silu(w1 x) * (w3 x) per chosen expert, then the
+    shared expert; each projection rounded to x's dtype, as F.linear's."""
     N, K = idx.shape
-    g, u = torch.einsum("nkod,nd->nko", gate_up[idx], x).split(gate_up.shape[1] // 2, dim=-1)
-    return (torch.nn.functional.silu(g) * u).reshape(N * K, -1)
+    I = sg.shape[0]
+    w = torch.cat([gate_up[idx], torch.cat([sg, su])[None, None].expand(N, 1, 2 * I, -1)], dim=1)
+    g, u = torch.einsum("nkod,nd->nko", w, x).split(I, dim=-1)
+    return (torch.nn.functional.silu(g) * u).reshape(N * (K + 1), I)
 
 
-def torch_down(act, idx, w, down, shared_out):
+def torch_down(act, idx, w, down, sd):
     """y [N, D] as `moe.expert_down` computes it: each expert's output rounded, weighted and summed in fp32,
-    the shared expert's output (weight 1) added, one rounding."""
+    the shared expert (weight 1) added, one rounding."""
     N, K = idx.shape
-    out = torch.einsum("nkdi,nki->nkd", down[idx], act.view(N, K, -1))
-    return ((out.float() * w[..., None]).sum(1) + shared_out.float()).to(act.dtype)
+    a = act.view(N, K + 1, -1)
+    out = torch.einsum("nkdi,nki->nkd", down[idx], a[:, :K])
+    y = (out.float() * w[..., None]).sum(1) + torch.nn.functional.linear(a[:, K], sd).float()
+    return y.to(act.dtype)
 
 
 class MoeCase:
     """Random weights at the real shapes for GRAPH_LAYERS layers and N tokens. `fns(part, cfg)` gives (ours, peer)
     on the first layer, for the comparison; `calls(part, cfg)` gives both sides' calls over all the layers, for
-    timing (graph_ms). The parts gate_up and down are the routed experts' kernels; moe_layer is the whole block
-    as the model runs it (`ops.moe`: the shared expert on a side stream beside the router and gate_up) against
-    the peer's router, routed experts and shared expert in sequence."""
+    timing (graph_ms)."""
 
     def __init__(self, N: int, device: str = "cuda"):
         import torch.nn.functional as F
-        from model import ops
-        from model.layers import MLP
         from model.triton import moe
         g = torch.Generator(device=device).manual_seed(N)
         self.device = device
@@ -557,37 +557,35 @@ class MoeCase:
         layers = []
         for _ in range(R):
             wr, bias = rnd(E, D, scale=D ** -0.5, dtype=torch.float32), rnd(E, scale=0.01, dtype=torch.float32)
-            shared = MLP(D, I).to(device=device, dtype=DTYPE).requires_grad_(False)
-            for p, scale in ((shared.gate_proj, D ** -0.5), (shared.up_proj, D ** -0.5), (shared.down_proj, I ** -0.5)):
-                p.weight.copy_(rnd(*p.weight.shape, scale=scale))
+            sg, su, sd = rnd(I, D, scale=D ** -0.5), rnd(I, D, scale=D ** -0.5), rnd(D, I, scale=I ** -0.5)
             idx, w = moe.fused_router(self.x, wr, bias, K, MOE_SCALING, True)
-            act = moe.expert_gate_up(self.x, idx, self.gate_up)
-            layers.append(dict(wr=wr, bias=bias, shared=shared, s=shared(self.x), idx=idx, w=w, act=act))
+            act = moe.expert_gate_up(self.x, idx, self.gate_up, (sg, su))
+            layers.append(dict(wr=wr, bias=bias, sg=sg, su=su, sd=sd, idx=idx, w=w, act=act))
         self.layers = layers
-        # bytes a perfect kernel reads from HBM per layer (mean over the layers): each distinct routed expert's
-        # weights once, the router weight once; the whole layer also the shared expert's
-        experts = sum(int(torch.unique(L["idx"]).numel()) for L in layers) / R
+        # bytes a perfect kernel reads from HBM per layer (mean over the layers): each distinct expert's weights
+        # once, the shared expert's, the router weight once
+        experts = sum(int(torch.unique(L["idx"]).numel()) + 1 for L in layers) / R
         self.bytes = {"moe_router": E * D * 4, "moe_gate_up": round(experts * 2 * I * D * 2),
                       "moe_down": round(experts * D * I * 2)}
-        self.bytes["moe_layer"] = sum(self.bytes.values()) + 3 * I * D * 2
+        self.bytes["moe_layer"] = sum(self.bytes.values())
         x, gu, dn = self.x, self.gate_up, self.down
 
         def parts(L, cfg):
             return {"moe_router": (lambda: moe.fused_router(x, L["wr"], L["bias"], K, MOE_SCALING, True, cfg),
                                    lambda: moe.route(F.linear(x.float(), L["wr"]), L["bias"], K, MOE_SCALING, True)),
-                    "moe_gate_up": (lambda: moe.expert_gate_up(x, L["idx"], gu, cfg),
-                                    lambda: torch_gate_up(x, L["idx"], gu)),
-                    "moe_down": (lambda: moe.expert_down(L["act"], L["idx"], L["w"], dn, L["s"], cfg),
-                                 lambda: torch_down(L["act"], L["idx"], L["w"], dn, L["s"])),
+                    "moe_gate_up": (lambda: moe.expert_gate_up(x, L["idx"], gu, (L["sg"], L["su"]), cfg),
+                                    lambda: torch_gate_up(x, L["idx"], gu, L["sg"], L["su"])),
+                    "moe_down": (lambda: moe.expert_down(L["act"], L["idx"], L["w"], dn, L["sd"], cfg),
+                                 lambda: torch_down(L["act"], L["idx"], L["w"], dn, L["sd"])),
                     "moe_layer": (lambda: ours_layer(L), lambda: peer_layer(L))}
 
         def ours_layer(L):
-            return ops.moe(x, lambda t: moe.fused_router(t, L["wr"], L["bias"], K, MOE_SCALING, True), gu, dn,
-                           L["shared"])
+            idx, w = moe.fused_router(x, L["wr"], L["bias"], K, MOE_SCALING, True)
+            return moe.expert_down(moe.expert_gate_up(x, idx, gu, (L["sg"], L["su"])), idx, w, dn, L["sd"])
 
         def peer_layer(L):
             idx, w = moe.route(F.linear(x.float(), L["wr"]), L["bias"], K, MOE_SCALING, True)
-            return torch_down(torch_gate_up(x, idx, gu), idx, w, dn, L["shared"](x))
+            return torch_down(torch_gate_up(x, idx, gu, L["sg"], L["su"]), idx, w, dn, L["sd"])
 
         self._parts = parts
 

@@ -192,50 +192,18 @@ def silu_mul(g, u):
     return F.silu(g) * u
 
 
-def moe(x, route, gate_up, down, shared=None):
-    """The MoE block on tokens x [N, D]: (idx, w) = route(x), then `moe_experts`.
-
-    Decode-sized batches on CUDA start the shared expert (three GEMVs) on a side stream before the router and
-    join it before the down projection that adds it: the router is a short, latency-bound launch that leaves
-    HBM idle, and the shared expert's weights stream in that gap and beside the routed gate_up, off the
-    critical path. The same ops and roundings as `moe_experts`."""
-    if shared is None or not (x.is_cuda and _triton(x) and x.shape[0] <= SMALL_BATCH):
-        idx, w = route(x)
-        return moe_experts(x, idx, w, gate_up, down, shared)
-    from .triton.moe import expert_down, expert_gate_up
-    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-    side.wait_stream(main)  # also orders the side's reuse of freed blocks after the main stream's earlier reads
-    with torch.cuda.stream(side):
-        s = shared(x)
-    idx, w = route(x)
-    act = expert_gate_up(x, idx, gate_up)
-    main.wait_stream(side)
-    return expert_down(act, idx, w.float(), down, s)
-
-
-_SIDE: dict = {}
-
-
-def _side_stream(device) -> torch.cuda.Stream:
-    """One side stream per device, made once (CUDA-graph capture takes it in through wait_stream)."""
-    device = torch.device(device)
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device)
-    return _SIDE[device]
-
-
 def moe_experts(x, idx, w, gate_up, down, shared=None):
     """sum_k w[n,k] * down[e](silu(w1[e] x) * w3[e] x) with e = idx[n,k], plus the shared expert (an `MLP`
     module) when given; x [N,D], idx/w [N,k].
 
-    Decode-sized batches stream only the chosen experts' rows (Triton, two launches, the shared expert's
-    output added in the second); prefill-sized ones sort the (token, expert) pairs by expert and run two
-    grouped GEMMs; the loop is the reference. All round once, from the fp32 sum with the shared expert's
-    (rounded) output included."""
-    s = None if shared is None else shared(x)
+    Decode-sized batches stream only the chosen experts' rows, the shared expert's in the same two launches
+    (Triton); prefill-sized ones sort the (token, expert) pairs by expert and run two grouped GEMMs; the
+    loop is the reference. All round once, from the fp32 sum with the shared expert included."""
     if _triton(x) and x.shape[0] <= SMALL_BATCH:
         from .triton.moe import fused_moe_small_batch
-        return fused_moe_small_batch(x, idx, w, gate_up, down, s)
+        sw = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+        return fused_moe_small_batch(x, idx, w, gate_up, down, sw)
+    s = None if shared is None else shared(x)
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
         return moe_experts_grouped(x, idx, w, gate_up, down, s)
     y = moe_experts_torch(x, idx, w, gate_up, down)

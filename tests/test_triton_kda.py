@@ -529,10 +529,10 @@ def sm90_spills() -> dict:
     from model.triton import moe
     I, D, K = 1024, 2304, 8
     gu, dn, ro = moe.GATE_UP, moe.DOWN, moe.ROUTER
-    gu_sig = {"x_ptr": bf, "idx_ptr": "*i64", "w_ptr": bf, "act_ptr": bf}
-    dn_sig = {"act_ptr": bf, "idx_ptr": "*i64", "wt_ptr": f32, "w_ptr": bf, "s_ptr": bf, "y_ptr": bf}
+    gu_sig = {"x_ptr": bf, "idx_ptr": "*i64", "w_ptr": bf, "sg_ptr": bf, "su_ptr": bf, "act_ptr": bf}
+    dn_sig = {"act_ptr": bf, "idx_ptr": "*i64", "wt_ptr": f32, "w_ptr": bf, "sd_ptr": bf, "y_ptr": bf}
     out["moe_gate_up"] = stack_bytes(moe._moe_expert_gate_up_kernel, gu_sig,
-                                     dict(D=D, I=I, K=K, BLOCK_I=gu["BLOCK_I"], BLOCK_D=gu["BLOCK_D"]),
+                                     dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_I=gu["BLOCK_I"], BLOCK_D=gu["BLOCK_D"]),
                                      num_warps=gu["num_warps"])
     out["moe_down"] = stack_bytes(moe._moe_expert_down_kernel, dn_sig,
                                   dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"]),

@@ -9,13 +9,12 @@ Three launches per MoE layer, routing kept on the device (no host sync, graph-ca
             program of a token to finish (an arrival counter, put back to 0 by that program, so CUDA graph
             replays reuse it) reads the token's E logits and picks its experts.
   gate_up:  act[n, k, i] = silu(w1[e] x_n)[i] * (w3[e] x_n)[i]          e = idx[n, k]
-            grid (N*K, I / BLOCK_I); each program streams a [BLOCK_I, D] slice of w1 and of w3.
-  down:     y[n, d]     = sum_k w[n, k] * (w2[e] act[n, k])[d]  + shared_out[n, d]
+            grid (N*(K+1), I / BLOCK_I); each program streams a [BLOCK_I, D] slice of w1 and of w3.
+  down:     y[n, d]     = sum_k w[n, k] * (w2[e] act[n, k])[d]  + shared expert (weight 1)
             grid (N, D / BLOCK_D); each program streams [BLOCK_D, I] slices of all K chosen w2's at once
-            (one [K, BLOCK_D, BLOCK_I] tile per step) and sums the slots in registers in a fixed order: no
-            atomics, the same bits on every run.
-The shared expert is not in these kernels: `model.ops.moe` runs it (an MLP) on a side stream, beside the
-router and gate_up, and down adds its output.
+            (one [K, BLOCK_D, BLOCK_I] tile per step) and of the shared expert, and sums the slots in
+            registers in a fixed order: no atomics, the same bits on every run.
+The shared expert rides along as slot K of gate_up and beside the K slots in down.
 
 Tile sizes and launch options are parameters (`GATE_UP`, `DOWN`, `ROUTER` hold the defaults);
 `python -m benchmarks.bench_kernels --ops moe_decode --moe-sweep` times a grid of them on the GPU.
@@ -38,9 +37,9 @@ import model.triton as mt
 # step times the programs resident per SM (all 16-byte vector loads at these shapes; no register spills).
 # Tensor-core forms of both (weight tiles through shared memory by cp.async, num_stages deep) were measured in
 # the same sweep and were no faster: gate_up 24.8 us at best `e3ee2e75`, down 27.3 us `be678a81`.
-# (Timed with the shared expert inside both kernels, as they were then.)
-# gate_up: 16 rows x 256 columns of w1 and of w3 per step (16 KB) over 8 warps, 9 steps over D; 512 programs.
-# down: one output row of all 8 chosen w2's, the whole I=1024 in one step (16 KB); 2304 programs at batch 1.
+# gate_up: 16 rows x 256 columns of w1 and of w3 per step (16 KB) over 8 warps, 9 steps over D; 576 programs.
+# down: one output row of all 8 chosen w2's and the shared expert's, the whole I=1024 in one step (18 KB);
+#   2304 programs at batch 1.
 # router: one row of the fp32 router weight (9 KB) a program; 256 programs per token.
 GATE_UP = dict(BLOCK_I=16, BLOCK_D=256, num_warps=8)
 DOWN = dict(BLOCK_D=1, BLOCK_I=1024, num_warps=4)
@@ -48,17 +47,22 @@ ROUTER = dict(BLOCK_E=1, num_warps=4)
 
 
 @triton.jit
-def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, act_ptr, D: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
-                               BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Slot k of token n (pid = n * K + k) reads expert idx[n, k]."""
+def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D: tl.constexpr, I: tl.constexpr,
+                    K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Slot k < K of token n reads expert idx[n, k]; slot K (when SLOTS = K + 1) the shared expert."""
     pid = tl.program_id(0)
     pid_i = tl.program_id(1)
-    n = pid // K
+    n = pid // SLOTS
+    k = pid % SLOTS
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < I
-    e = tl.load(idx_ptr + pid).to(tl.int64)
-    w_gate = w_ptr + e * (2 * I * D) + offs_i[:, None] * D
-    w_up = w_gate + I * D
+    if k < K:
+        e = tl.load(idx_ptr + n * K + k).to(tl.int64)
+        w_gate = w_ptr + e * (2 * I * D) + offs_i[:, None] * D
+        w_up = w_gate + I * D
+    else:
+        w_gate = sg_ptr + offs_i[:, None] * D
+        w_up = su_ptr + offs_i[:, None] * D
     acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -80,13 +84,14 @@ def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, act_ptr, D: tl.constexpr, 
 
 
 @triton.jit
-def _moe_expert_down_kernel(act_ptr, idx_ptr, wt_ptr, w_ptr, s_ptr, y_ptr, D: tl.constexpr, I: tl.constexpr,
-                            K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_I: tl.constexpr):
+def _moe_expert_down_kernel(act_ptr, idx_ptr, wt_ptr, w_ptr, sd_ptr, y_ptr, D: tl.constexpr, I: tl.constexpr,
+                 K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_I: tl.constexpr):
     """Rows offs_d of y[n] from the K routed slots (a [KP, BLOCK_D, BLOCK_I] tile per step, KP = K padded
-    to a power of two, the padding masked off), plus the shared expert's output s[n] (SHARED)."""
+    to a power of two, the padding masked off) and the shared expert (SHARED, slot K of act)."""
     n = tl.program_id(0)
     pid_d = tl.program_id(1)
+    SLOTS: tl.constexpr = K + SHARED
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     offs_k = tl.arange(0, KP)
@@ -95,8 +100,9 @@ def _moe_expert_down_kernel(act_ptr, idx_ptr, wt_ptr, w_ptr, s_ptr, y_ptr, D: tl
     wk = tl.load(wt_ptr + n * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     rows = e[:, None] * (D * I) + offs_d[None, :] * I                       # [KP, BLOCK_D] row starts
     mask_kd = mask_k[:, None] & mask_d[None, :]
-    a_rows = (n * K + offs_k) * I
+    a_rows = (n * SLOTS + offs_k) * I
     acc = tl.zeros([KP, BLOCK_D], dtype=tl.float32)
+    acc_s = tl.zeros([BLOCK_D], dtype=tl.float32)
     for i0 in range(0, I, BLOCK_I):
         offs_i = i0 + tl.arange(0, BLOCK_I)
         mask_i = offs_i < I
@@ -105,61 +111,67 @@ def _moe_expert_down_kernel(act_ptr, idx_ptr, wt_ptr, w_ptr, s_ptr, y_ptr, D: tl
         wd = tl.load(w_ptr + rows[:, :, None] + offs_i[None, None, :],
                      mask=mask_kd[:, :, None] & mask_i[None, None, :], other=0.0).to(tl.float32)
         acc += tl.sum(wd * a[:, None, :], axis=2)
+        if SHARED:
+            a_s = tl.load(act_ptr + (n * SLOTS + K) * I + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+            ws = tl.load(sd_ptr + offs_d[:, None] * I + offs_i[None, :], mask=mask_d[:, None] & mask_i[None, :],
+                         other=0.0).to(tl.float32)
+            acc_s += tl.sum(ws * a_s[None, :], axis=1)
     # Each expert's output is rounded (as F.linear's), weighted in fp32 and summed over the slots in a fixed
-    # tree order, the shared expert's (weight 1, already rounded by its F.linear) last; one rounding of the
-    # sum, as the prefill path.
+    # tree order, the shared expert (weight 1) last; one rounding of the sum, as the prefill path.
     DT = y_ptr.dtype.element_ty
     y = tl.sum(wk[:, None] * acc.to(DT).to(tl.float32), axis=0)
     if SHARED:
-        y += tl.load(s_ptr + n * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        y += acc_s.to(DT).to(tl.float32)
     tl.store(y_ptr + n * D + offs_d, y.to(DT), mask=mask_d)
 
 
 def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
-                          down: torch.Tensor, shared_out: torch.Tensor | None = None,
+                          down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                           gate_up_cfg: dict | None = None, down_cfg: dict | None = None) -> torch.Tensor:
     """x [N, D]; idx [N, K] expert ids; w [N, K] fp32 weights; gate_up [E, 2I, D]; down [E, D, I] -> y [N, D].
 
-    `shared_out` [N, D] (the shared expert's output, x's dtype) is added (weight 1) before the one rounding.
+    `shared` = (gate [I, D], up [I, D], down [D, I]) adds the shared expert (weight 1) in the same launches.
     `gate_up_cfg` / `down_cfg` override `GATE_UP` / `DOWN` (the benchmark's sweep).
     """
     N, D = x.shape
+    K = idx.shape[1]
     E, twoI, D2 = gate_up.shape
     I = twoI // 2
     if D2 != D or down.shape != (E, D, I):
         raise ValueError(f"expert shapes {tuple(gate_up.shape)} / {tuple(down.shape)} do not fit x {tuple(x.shape)}")
-    if shared_out is not None and (shared_out.shape != (N, D) or shared_out.dtype != x.dtype):
-        raise ValueError(f"shared_out {tuple(shared_out.shape)} {shared_out.dtype} does not fit x {tuple(x.shape)} "
-                         f"{x.dtype}")
+    if shared is not None and (shared[0].shape != (I, D) or shared[1].shape != (I, D) or shared[2].shape != (D, I)):
+        raise ValueError(f"shared expert shapes {[tuple(t.shape) for t in shared]} do not fit [{I}, {D}] / [{D}, {I}]")
     x, idx, w = x.contiguous(), idx.contiguous(), w.float().contiguous()
-    return expert_down(expert_gate_up(x, idx, gate_up, gate_up_cfg), idx, w, down, shared_out, down_cfg)
+    act = expert_gate_up(x, idx, gate_up, shared[:2] if shared is not None else None, gate_up_cfg)
+    return expert_down(act, idx, w, down, shared[2] if shared is not None else None, down_cfg)
 
 
-def expert_gate_up(x, idx, gate_up, cfg=None) -> torch.Tensor:
-    """The first launch: act [N * K, I]."""
+def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None) -> torch.Tensor:
+    """The first launch: act [N * SLOTS, I] (SLOTS = K, + 1 with the shared expert's (gate, up))."""
     mt.require_runnable(_moe_expert_gate_up_kernel, x.device)
     N, D = x.shape
     K, I = idx.shape[1], gate_up.shape[1] // 2
-    act = mt.empty(N * K, I, dtype=x.dtype, device=x.device)
+    sg, su = (t.contiguous() for t in shared_gate_up) if shared_gate_up is not None else (gate_up, gate_up)
+    slots = K + (shared_gate_up is not None)
+    act = mt.empty(N * slots, I, dtype=x.dtype, device=x.device)
     c = {**GATE_UP, **(cfg or {})}
     bi, bd = min(c["BLOCK_I"], triton.next_power_of_2(I)), min(c["BLOCK_D"], triton.next_power_of_2(D))
-    _moe_expert_gate_up_kernel[(N * K, triton.cdiv(I, bi))](x, idx.contiguous(), gate_up, act, D, I, K, bi, bd,
-                                                           num_warps=c["num_warps"])
+    _moe_expert_gate_up_kernel[(N * slots, triton.cdiv(I, bi))](x, idx, gate_up, sg, su, act, D, I, K, slots, bi, bd,
+                                                               num_warps=c["num_warps"])
     return act
 
 
-def expert_down(act, idx, w, down, shared_out=None, cfg=None) -> torch.Tensor:
-    """The second launch: y [N, D] from act (`expert_gate_up`), the routing weights w [N, K] fp32, w2 and the
-    shared expert's output [N, D] when given."""
+def expert_down(act, idx, w, down, shared_down=None, cfg=None) -> torch.Tensor:
+    """The second launch: y [N, D] from act (`expert_gate_up`), the routing weights w [N, K] fp32 and w2."""
     mt.require_runnable(_moe_expert_down_kernel, act.device)
     N, K = idx.shape
     D, I = down.shape[1], down.shape[2]
+    sd = shared_down.contiguous() if shared_down is not None else down
     y = mt.empty(N, D, dtype=act.dtype, device=act.device)
-    s = shared_out.contiguous() if shared_out is not None else y
     c = {**DOWN, **(cfg or {})}
     bd, bi = min(c["BLOCK_D"], triton.next_power_of_2(D)), min(c["BLOCK_I"], triton.next_power_of_2(I))
-    _moe_expert_down_kernel[(N, triton.cdiv(D, bd))](act, idx, w, down, s, y, D, I, K, triton.next_power_of_2(K),
-                                                     shared_out is not None, bd, bi, num_warps=c["num_warps"])
+    _moe_expert_down_kernel[(N, triton.cdiv(D, bd))](act, idx, w, down, sd, y, D, I, K, triton.next_power_of_2(K),
+                                                     shared_down is not None, bd, bi, num_warps=c["num_warps"])
     return y
 
 
