@@ -163,9 +163,8 @@ class MultiLatentAttention(nn.Module):
         B = x.shape[0]
         q = self.q_proj(x).view(B, self.H, -1)
         q_nope, q_pe = q.split([self.dn, self.P], dim=-1)
-        c, k_pe = self._latent(x)
-        cache.c.index_copy_(1, pos.view(1), c[:, None])
-        cache.k_pe.index_copy_(1, pos.view(1), k_pe[:, None])
+        norm = self.kv_a_layernorm
+        ops.mla_cache_append(self.kv_a_proj_with_mqa(x), norm.weight, norm.eps, cache.c, cache.k_pe, pos)
         w = self.kv_b_proj.weight.view(self.H, self.dn + self.dv, self.R)
         w_uk, w_uv = w[:, :self.dn], w[:, self.dn:]
         # both absorbed products in fp32: one rounding, at the end, to the model dtype

@@ -120,6 +120,18 @@ def mla_prefill_attention(q, k, v, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :dv]
 
 
+def mla_cache_append(kv, weight, eps, c_cache, kpe_cache, pos):
+    """Decode: one token's latent, kv [B, R+P] (the kv_a projection), into the MLA cache at position pos (a
+    device scalar): c_cache[:, pos] = rmsnorm(kv[:, :R]) (kv_a_layernorm), kpe_cache[:, pos] = kv[:, R:].
+    In Triton one launch, where the norm and two index copies took three."""
+    if _triton(kv):
+        from .triton.mla_decode import mla_cache_append as triton_mla_cache_append
+        return triton_mla_cache_append(kv, weight, eps, c_cache, kpe_cache, pos)
+    c, k_pe = kv.split([c_cache.shape[-1], kpe_cache.shape[-1]], dim=-1)
+    c_cache.index_copy_(1, pos.view(1), rmsnorm(c, weight, eps)[:, None])
+    kpe_cache.index_copy_(1, pos.view(1), k_pe[:, None])
+
+
 def mla_decode_attention(q_lat, q_pe, c, k_pe, pos, scale):
     """Attention of one query per head over the latent cache, positions 0..pos (a device scalar).
 

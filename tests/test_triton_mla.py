@@ -149,7 +149,59 @@ def test_absorb_matches_fp64(B, H, K, N, x_dtype, w_dtype, transposed, seed):
         check(ops.mla_absorb(x, w), ref, 2e-6, "torch absorb")
 
 
+def cache_append_inputs(B, R, P, L, dtype, seed, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    kv = (3 * torch.randn(B, R + P, generator=g)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(R, generator=g)).to(dtype)
+    c, k_pe = torch.randn(B, L, R, generator=g).to(dtype), torch.randn(B, L, P, generator=g).to(dtype)
+    return [t.to(device) for t in (kv, weight, c, k_pe)]
+
+
+@given(B=st.sampled_from([1, 3]), R=st.sampled_from([16, 40, 64]), P=st.sampled_from([8, 16]), L=st.integers(1, 70),
+       where=st.sampled_from(["first", "middle", "last"]), dtype=st.sampled_from(["fp32", "bf16"]),
+       seed=st.integers(0, 999))
+def test_cache_append_matches_torch(B, R, P, L, where, dtype, seed):
+    """The one-launch latent append writes rmsnorm(c) and k_pe at pos, as the torch form (norm, two index
+    copies) does, and leaves every other position bit for bit as it was."""
+    kv, weight, c, k_pe = cache_append_inputs(B, R, P, L, DTYPES[dtype], seed)
+    pos = torch.tensor({"first": 0, "middle": L // 2, "last": L - 1}[where], device=DEV)
+    c_ref, k_ref = c.clone(), k_pe.clone()
+    with ops.use("torch"):
+        ops.mla_cache_append(kv, weight, 1e-6, c_ref, k_ref, pos)
+    with ops.use("triton"):
+        ops.mla_cache_append(kv, weight, 1e-6, c, k_pe, pos)
+    others = torch.arange(L, device=DEV) != pos
+    assert torch.equal(c[:, others], c_ref[:, others]) and torch.equal(k_pe[:, others], k_ref[:, others])
+    assert torch.equal(k_pe[:, pos], k_ref[:, pos])
+    # fp32: the same math; bf16: the interpreter truncates where the GPU rounds (one bf16 ulp)
+    check(c[:, pos], c_ref[:, pos].double(), 1e-6 if dtype == "fp32" else 1e-2, "c at pos")
+
+
+def test_cache_append_rejects_shapes_that_do_not_fit():
+    kv, weight, c, k_pe = cache_append_inputs(1, 32, 16, 8, torch.float32, 0)
+    from model.triton.mla_decode import mla_cache_append
+    with pytest.raises(ValueError, match="do not fit"):
+        mla_cache_append(kv[:, :40], weight, 1e-6, c, k_pe, torch.tensor(0))
+    with pytest.raises(ValueError, match="do not fit"):
+        mla_cache_append(kv, weight[:16], 1e-6, c, k_pe, torch.tensor(0))
+
+
 # ---- real shapes on the GPU ---------------------------------------------------------------------
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B", [1, 8])
+def test_gpu_cache_append_real_shapes(B):
+    """bf16 at the 48B-A3B's R=512, P=64: the same bits as the norm kernel and two index copies, nearly
+    everywhere (the norm's fp32 sum may round differently in the last place)."""
+    kv, weight, c, k_pe = cache_append_inputs(B, 512, 64, 4096, torch.bfloat16, B, device="cuda")
+    pos = torch.tensor(1234, device="cuda")
+    c_ref, k_ref = c.clone(), k_pe.clone()
+    ops.mla_cache_append(kv, weight, 1e-6, c, k_pe, pos)
+    c_ref[:, 1234] = ops.rmsnorm(kv[:, :512], weight, 1e-6)
+    k_ref[:, 1234] = kv[:, 512:]
+    assert torch.equal(k_pe, k_ref)
+    assert (c == c_ref).float().mean() > 0.999 and rel_err(c[:, 1234], c_ref[:, 1234]) < 1e-3
 
 @pytest.mark.gpu
 @gpu

@@ -226,6 +226,36 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads
 
 
 @triton.jit
+def _cache_append_kernel(kv, weight, c_cache, kpe_cache, pos_ptr, eps, s_kv, s_cb, s_cl, s_kb, s_kl,
+                         R: tl.constexpr, P: tl.constexpr, RP: tl.constexpr, PP: tl.constexpr):
+    """Sequence b (one program): c_cache[b, pos] = rmsnorm(kv[b, :R]) in HF's order (fp32 normalise, round
+    to kv's dtype, times weight), kpe_cache[b, pos] = kv[b, R:]."""
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    r, p = tl.arange(0, RP), tl.arange(0, PP)
+    x = tl.load(kv + b * s_kv + r, mask=r < R, other=0.).to(tl.float32)
+    x = x * tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)
+    y = x.to(kv.dtype.element_ty).to(tl.float32) * tl.load(weight + r, mask=r < R, other=0.).to(tl.float32)
+    tl.store(c_cache + b * s_cb + pos * s_cl + r, y.to(c_cache.dtype.element_ty), mask=r < R)
+    k_pe = tl.load(kv + b * s_kv + R + p, mask=p < P, other=0.)
+    tl.store(kpe_cache + b * s_kb + pos * s_kl + p, k_pe.to(kpe_cache.dtype.element_ty), mask=p < P)
+
+
+def mla_cache_append(kv, weight, eps, c_cache, kpe_cache, pos):
+    """`model.ops.mla_cache_append` in one launch: kv [B, R+P], caches [B, L, R] / [B, L, P], pos a device
+    scalar."""
+    B, R, P = kv.shape[0], c_cache.shape[-1], kpe_cache.shape[-1]
+    if kv.shape != (B, R + P) or weight.shape != (R,) or c_cache.shape[0] != B or kpe_cache.shape[:2] != c_cache.shape[:2]:
+        raise ValueError(f"mla_cache_append: kv {tuple(kv.shape)}, weight {tuple(weight.shape)} and caches "
+                         f"{tuple(c_cache.shape)} / {tuple(kpe_cache.shape)} do not fit")
+    assert kv.stride(-1) == 1 and c_cache.stride(-1) == 1 and kpe_cache.stride(-1) == 1
+    mt.require_runnable(_cache_append_kernel, kv.device)
+    _cache_append_kernel[(B,)](kv, weight, c_cache, kpe_cache, pos, float(eps), kv.stride(0), c_cache.stride(0),
+                               c_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), R=R, P=P,
+                               RP=triton.next_power_of_2(R), PP=triton.next_power_of_2(P), num_warps=4)
+
+
+@triton.jit
 def _absorb_kernel(x, w, out, B, s_xb, s_xh, s_wh, s_wk, s_wn,
                    K: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
                    BF16: tl.constexpr, MMA: tl.constexpr):
