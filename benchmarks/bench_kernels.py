@@ -4,6 +4,7 @@
         [--chunk-T 1024,8192,32768] [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
     python -m benchmarks.bench_kernels --ops mla_decode_layout [--mla-T 1056,8192]
+    python -m benchmarks.bench_kernels --ops mla_absorb
 
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
 FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=32 heads, head dim 128, bf16.
@@ -43,7 +44,8 @@ defaults in model/triton/moe.py (GATE_UP, DOWN, ROUTER) from it.
 `--ops mla_decode_layout`: `mla_decode` (split kernel + combine) in `default_layout` against the all-heads
 layout (peer "all-heads": `default_split`, 32 heads a program), for each SHORT of MLA_SHORTS, `graph_ms` over
 MLA_LAYERS layers' calls (each its own cache), batch 1, a buffer of T positions (--mla-T), the query at T-1;
-ours is checked against the peer's output in the same run.
+ours is checked against the peer's output in the same run. `--ops mla_absorb`: `mla_absorb_sweep`, the tile
+configs of the absorbed up-projections against the default, graph-timed per layer.
 """
 from __future__ import annotations
 
@@ -348,6 +350,51 @@ def mla_layout_case(T: int, device: str = "cuda") -> list[dict]:
         log(f"  mla_decode_layout T={T:<6d} SHORT={short} -> split={layout[0]} heads={layout[1]}: "
             f"ours={_ms(results.get('ours_ms'))} all-heads(split={split})={_ms(results.get('peer_ms'))} "
             f"(graph, per layer)  {rec['verdict']} {reasons}")
+    return recs
+
+
+ABSORB_SWEEP = [dict(BN=bn, BK=bk, num_warps=nw) for bn in (16, 32, 64) for bk in (64, 128)
+                for nw in (2, 4, 8)]
+
+
+def mla_absorb_sweep(device: str = "cuda") -> list[dict]:
+    """`mla_absorb` at the MLA decode step's two shapes, each config of ABSORB_SWEEP against the default
+    (`mla_decode.ABSORB`, peer "default"), `graph_ms` over MLA_LAYERS layers' kv_b_proj weights, batch 1, the
+    output checked against the default's. q: q_nope [1, H, 128] @ W_uk [H, 128, R]; o: o_lat [1, H, R] fp32 @
+    W_uv^T (the transposed view, R contiguous)."""
+    from model.triton import mla_decode as ml
+    g = torch.Generator(device=device).manual_seed(0)
+    dn = dv = 128
+    ws = [(torch.randn(MLA_H, dn + dv, MLA_R, generator=g, device=device) * MLA_R ** -0.5).to(DTYPE)
+          for _ in range(MLA_LAYERS)]
+    shapes = {"q": (torch.randn(1, MLA_H, dn, generator=g, device=device).to(DTYPE), [w[:, :dn] for w in ws]),
+              "o": (torch.randn(1, MLA_H, MLA_R, generator=g, device=device), [w[:, dn:].transpose(1, 2) for w in ws])}
+    recs = []
+    for name, (x, layer_ws) in shapes.items():
+        ref = ml.mla_absorb(x, layer_ws[0])
+        peer_ms = graph_ms([lambda w=w: ml.mla_absorb(x, w) for w in layer_ws])
+        best = None
+        for cfg in ABSORB_SWEEP:
+            params = {"op": "mla_absorb", "shape": name, "B": 1, "H": MLA_H, "K": x.shape[-1],
+                      "N": layer_ws[0].shape[-1], "dtype": "bfloat16", "sweep": True, "cfg": {**ml.ABSORB, **cfg}}
+            results, reasons = {"peer": "default", "peer_cfg": dict(ml.ABSORB), "peer_ms": peer_ms,
+                                "timing": graph_timing(MLA_LAYERS)}, []
+            try:
+                err = rel_err(ml.mla_absorb(x, layer_ws[0], cfg), ref)
+                results["rel_err_vs_default"] = err
+                if not err <= 1e-5:
+                    reasons.append(f"differs from the default config: relative RMS error {err:.3g}")
+                results["ours_ms"] = graph_ms([lambda w=w: ml.mla_absorb(x, w, cfg) for w in layer_ws])
+                results["speedup"] = peer_ms / results["ours_ms"]
+            except Exception as e:  # a config that fails to compile or run is recorded and skipped
+                traceback.print_exc()
+                reasons.append(f"{cfg} failed: {type(e).__name__}: {e}")
+            rec = kernel_record(params, results, reasons, device)
+            recs.append(rec)
+            if rec["verdict"] == "VALID" and (best is None or results["ours_ms"] < best[1]):
+                best = (cfg, results["ours_ms"])
+        log(f"  mla_absorb {name}: default {ml.ABSORB} {peer_ms * 1e3:.2f} us; best {best[0] if best else None} "
+            f"{best[1] * 1e3 if best else float('nan'):.2f} us (graph, per layer)")
     return recs
 
 
@@ -710,7 +757,8 @@ def run_moe(Ns: list[int], sweep: bool, rep_ms: int, device: str = "cuda") -> li
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode," + ",".join(TORCH_PEER_CASES),
-                    help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, mla_decode_layout, " + ", ".join(TORCH_PEER_CASES))
+                    help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, mla_decode_layout, "
+                         "mla_absorb, " + ", ".join(TORCH_PEER_CASES))
     ap.add_argument("--chunk-T", default="1024,8192,32768")
     ap.add_argument("--decode-B", default="1,8,64")
     ap.add_argument("--mla-T", default="1024,32768,131072", help="mla_decode contexts (batch 1)")
@@ -722,7 +770,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
-    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "mla_decode_layout",
+    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "mla_decode_layout", "mla_absorb",
                           *TORCH_PEER_CASES}
     if unknown:
         raise SystemExit(f"unknown --ops {sorted(unknown)}")
@@ -744,6 +792,8 @@ def main(argv=None) -> None:
     recs += [run_case(op, 1, int(T), None, None, args.rep_ms)
              for T in args.prefill_T.split(",") if T for op in TORCH_PEER_CASES if op in ops]
     summarize(recs)
+    if "mla_absorb" in ops:
+        mla_absorb_sweep()
     if "mla_decode_layout" in ops:
         for T in (int(t) for t in args.mla_T.split(",") if t):
             mla_layout_case(T)

@@ -317,3 +317,18 @@ def test_mla_layout_bench_plumbing(records_dir, monkeypatch):
     assert [(r["params"]["split"], r["params"]["heads"]) for r in recs] == [(64, 2), (128, 1)]
     assert all(r["params"]["peer_split"] == 128 for r in recs) and ml.SHORT == dict(heads=16, BL=32)
     assert len(load(kinds="kernel", root=records_dir).records) == 2
+
+
+def test_mla_absorb_sweep_plumbing(records_dir, monkeypatch):
+    """`--ops mla_absorb` on the CPU through the interpreter, small shapes, a fake clock: a record per (shape,
+    config), each checked against the default config's output; a failing config is recorded INVALID."""
+    from benchmarks import bench_kernels as bk
+    for name, value in (("MLA_H", 2), ("MLA_R", 32), ("MLA_LAYERS", 2),
+                        ("ABSORB_SWEEP", [dict(BN=16, BK=32, num_warps=2), dict(BN=0, BK=32, num_warps=2)])):  # BN=0 cannot launch
+        monkeypatch.setattr(bk, name, value)
+    monkeypatch.setattr(bk, "graph_ms", lambda calls: ([c() for c in calls], 0.01)[1])
+    recs = bk.mla_absorb_sweep(device="cpu")
+    assert [(r["params"]["shape"], r["verdict"]) for r in recs] == [("q", "VALID"), ("q", "INVALID"),
+                                                                    ("o", "VALID"), ("o", "INVALID")]
+    assert recs[0]["results"]["rel_err_vs_default"] < 1e-5 and "failed" in recs[1]["reasons"][0]
+    assert (recs[2]["params"]["K"], recs[2]["params"]["N"]) == (32, 128)

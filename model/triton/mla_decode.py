@@ -274,16 +274,21 @@ def _absorb_kernel(x, w, out, B, s_xb, s_xh, s_wh, s_wk, s_wn,
     tl.store(out + (b[:, None] * H + i_h) * N + n[None, :], y, mask=(b < B)[:, None] & (n < N)[None, :])
 
 
-def mla_absorb(x, w):
+ABSORB = dict(BN=64, BK=64, num_warps=4)  # tiles of w per program and step (bench_kernels --ops mla_absorb)
+
+
+def mla_absorb(x, w, cfg: dict | None = None):
     """out[b,h,n] = sum_k x[b,h,k] w[h,k,n] in fp32, fp32-accurate for fp32 x (x [B,H,K] any float dtype,
-    w [H,K,N] bf16 or fp32, any strides): the absorbed key/value up-projections of MLA decode."""
+    w [H,K,N] bf16 or fp32, any strides): the absorbed key/value up-projections of MLA decode. `cfg`
+    overrides ABSORB (the benchmark's sweep)."""
     B, H, K = x.shape
     N = w.shape[2]
     assert x.stride(-1) == 1 and w.shape[:2] == (H, K)
     mt.require_runnable(_absorb_kernel, x.device)
+    c = {**ABSORB, **(cfg or {})}
     out = mt.empty(B, H, N, dtype=torch.float32, device=x.device)
-    BN = min(_pad(N), 64)
+    BN = min(_pad(N), c["BN"])
     _absorb_kernel[(H, triton.cdiv(N, BN))](x, w, out, B, x.stride(0), x.stride(1), *w.stride(), K=K, N=N,
-                                          BP=_pad(B), BK=min(_pad(K), 64), BN=BN, BF16=w.dtype == torch.bfloat16,
-                                          MMA=_compiled(), num_warps=4)
+                                          BP=_pad(B), BK=min(_pad(K), c["BK"]), BN=BN,
+                                          BF16=w.dtype == torch.bfloat16, MMA=_compiled(), num_warps=c["num_warps"])
     return out
