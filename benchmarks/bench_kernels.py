@@ -371,13 +371,14 @@ def mla_absorb_sweep(device: str = "cuda") -> list[dict]:
               "o": (torch.randn(1, MLA_H, MLA_R, generator=g, device=device), [w[:, dn:].transpose(1, 2) for w in ws])}
     recs = []
     for name, (x, layer_ws) in shapes.items():
-        ref = ml.mla_absorb(x, layer_ws[0])
+        ref, default = ml.mla_absorb(x, layer_ws[0]), ml.absorb_config(x.shape[-1])
         peer_ms = graph_ms([lambda w=w: ml.mla_absorb(x, w) for w in layer_ws])
         best = None
         for cfg in ABSORB_SWEEP:
             params = {"op": "mla_absorb", "shape": name, "B": 1, "H": MLA_H, "K": x.shape[-1],
-                      "N": layer_ws[0].shape[-1], "dtype": "bfloat16", "sweep": True, "cfg": {**ml.ABSORB, **cfg}}
-            results, reasons = {"peer": "default", "peer_cfg": dict(ml.ABSORB), "peer_ms": peer_ms,
+                      "N": layer_ws[0].shape[-1], "dtype": "bfloat16", "sweep": True,
+                      "cfg": {**default, **cfg}}
+            results, reasons = {"peer": "default", "peer_cfg": default, "peer_ms": peer_ms,
                                 "timing": graph_timing(MLA_LAYERS)}, []
             try:
                 err = rel_err(ml.mla_absorb(x, layer_ws[0], cfg), ref)
@@ -393,7 +394,7 @@ def mla_absorb_sweep(device: str = "cuda") -> list[dict]:
             recs.append(rec)
             if rec["verdict"] == "VALID" and (best is None or results["ours_ms"] < best[1]):
                 best = (cfg, results["ours_ms"])
-        log(f"  mla_absorb {name}: default {ml.ABSORB} {peer_ms * 1e3:.2f} us; best {best[0] if best else None} "
+        log(f"  mla_absorb {name}: default {default} {peer_ms * 1e3:.2f} us; best {best[0] if best else None} "
             f"{best[1] * 1e3 if best else float('nan'):.2f} us (graph, per layer)")
     return recs
 

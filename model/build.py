@@ -9,7 +9,7 @@ import torch
 
 from .checkpoint import internal_names, load_checkpoint
 from .config import KimiConfig, get_config
-from .layers import KimiDeltaAttention
+from .layers import KimiDeltaAttention, MultiLatentAttention
 from .model import KimiLinear
 from .weights import synthetic_weights, weights_id
 
@@ -19,10 +19,10 @@ SMALL_MODEL_BYTES = 1 << 30  # synthetic weights below this (in bf16) are drawn 
 def from_state_dict(cfg: KimiConfig, state: dict[str, torch.Tensor]) -> KimiLinear:
     """Wrap the given tensors (modules are built on the meta device, then assigned).
 
-    Every tensor is used as it is, not copied, except the KDA projections that `KimiDeltaAttention.pack_`
-    packs (q/k/v, f_a/f_b, g_a/g_b, b_proj): those are copied into packed buffers, so the model does not see
-    later writes to the caller's tensors of those names, and they cost memory (~1.2 GB for the 48B model in
-    bf16) until the caller drops them. `model.state_dict()` gives the model's own tensors (views of the packed
+    Every tensor is used as it is, not copied, except the projections that `KimiDeltaAttention.pack_` (q/k/v,
+    f_a/f_b, g_a/g_b, b_proj) and `MultiLatentAttention.pack_` (q_proj, kv_a_proj_with_mqa) pack: those are
+    copied into packed buffers, so the model does not see later writes to the caller's tensors of those names,
+    and they cost memory (~1.4 GB for the 48B model in bf16) until the caller drops them. `model.state_dict()` gives the model's own tensors (views of the packed
     buffers), with the same names, shapes and values.
     """
     with torch.device("meta"):
@@ -34,7 +34,7 @@ def from_state_dict(cfg: KimiConfig, state: dict[str, torch.Tensor]) -> KimiLine
                          f"unexpected {extra[:10]} ({len(extra)})")
     model.load_state_dict(state, assign=True, strict=True)
     for m in model.modules():
-        if isinstance(m, KimiDeltaAttention):
+        if isinstance(m, (KimiDeltaAttention, MultiLatentAttention)):
             m.pack_()
     return model.eval().requires_grad_(False)
 

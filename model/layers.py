@@ -120,7 +120,8 @@ class KimiDeltaAttention(nn.Module):
 
 
 class MultiLatentAttention(nn.Module):
-    """NoPE MLA: nothing is rotated; the 64-dim `k_pe` part is one key shared by all heads."""
+    """NoPE MLA: nothing is rotated; the 64-dim `k_pe` part is one key shared by all heads. Inference only, as
+    KimiDeltaAttention: the forward reads the packed input projection (`pack_`)."""
 
     def __init__(self, cfg: KimiConfig):
         super().__init__()
@@ -133,16 +134,33 @@ class MultiLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.R, cfg.kv_norm_eps)
         self.kv_b_proj = nn.Linear(self.R, H * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+        self.pack_()
 
-    def _latent(self, x):
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.R, self.P], dim=-1)
-        return self.kv_a_layernorm(c), k_pe
+    @torch.no_grad()
+    def pack_(self) -> None:
+        """Copy the weights of q_proj and kv_a_proj_with_mqa into one [H*192 + R+P, D] tensor (`in_proj_weight`)
+        and re-point both nn.Linears' weights to their views of it: one GEMV at batch-1 decode where two
+        latency-bound ones ran (the narrow kv_a projection alone took 6 us a layer). The same contract as
+        `KimiDeltaAttention.pack_`: names, shapes and values unchanged; call again after assigning weights."""
+        ins = (self.q_proj, self.kv_a_proj_with_mqa)
+        if self.q_proj.weight.dtype != self.kv_a_proj_with_mqa.weight.dtype:
+            raise TypeError(f"MLA projection weights must share one dtype to be packed, got "
+                            f"{self.q_proj.weight.dtype} and {self.kv_a_proj_with_mqa.weight.dtype}")
+        self.register_buffer("in_proj_weight", torch.cat([m.weight for m in ins]), persistent=False)
+        for m, w in zip(ins, self.in_proj_weight.split([m.out_features for m in ins])):
+            m.weight = nn.Parameter(w, requires_grad=False)
+
+    def _project(self, x):
+        """x [..., D] -> (q [..., H*192], kv [..., R+P]) in one launch."""
+        return F.linear(x, self.in_proj_weight).split([self.q_proj.out_features, self.R + self.P], dim=-1)
 
     def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int = 0) -> torch.Tensor:
         """Tokens [B, T, D] at positions start..start+T-1; the latents of earlier positions come from the cache."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.H, -1).transpose(1, 2)           # [B,H,T,192]
-        c, k_pe = self._latent(x)
+        q, kv = self._project(x)
+        q = q.reshape(B, T, self.H, -1).transpose(1, 2)                      # [B,H,T,192]
+        c, k_pe = kv.split([self.R, self.P], dim=-1)
+        c = self.kv_a_layernorm(c)
         if cache is not None:
             cache.c[:, start:start + T] = c
             cache.k_pe[:, start:start + T] = k_pe
@@ -161,10 +179,10 @@ class MultiLatentAttention(nn.Module):
         the attention output is mapped out of it (o_lat @ W_uv^T), so keys and values are never expanded.
         """
         B = x.shape[0]
-        q = self.q_proj(x).view(B, self.H, -1)
-        q_nope, q_pe = q.split([self.dn, self.P], dim=-1)
+        q, kv = self._project(x)
+        q_nope, q_pe = q.reshape(B, self.H, -1).split([self.dn, self.P], dim=-1)
         norm = self.kv_a_layernorm
-        ops.mla_cache_append(self.kv_a_proj_with_mqa(x), norm.weight, norm.eps, cache.c, cache.k_pe, pos)
+        ops.mla_cache_append(kv, norm.weight, norm.eps, cache.c, cache.k_pe, pos)
         w = self.kv_b_proj.weight.view(self.H, self.dn + self.dv, self.R)
         w_uk, w_uv = w[:, :self.dn], w[:, self.dn:]
         # both absorbed products in fp32: one rounding, at the end, to the model dtype

@@ -70,10 +70,10 @@ def cuda_kernels(fn) -> int:
 
 
 def test_packed_kda_projections_fp32_real_shapes():
-    """The packed KDA projections (one GEMV and one batched GEMV per layer, tests/test_kda_pack.py) against the
+    """The packed KDA projections (one GEMV and one batched GEMV per layer, tests/test_pack.py) against the
     separate nn.Linears they replace, fp32 at real shapes: the packed graph decode equals the unpacked one and a
     fresh recompute, and an eager decode step launches at least 6 fewer kernels per KDA layer."""
-    from tests.test_kda_pack import unpacked
+    from tests.test_pack import unpacked
 
     m = model(torch.float32)
     prompt = PROMPTS[0]

@@ -31,7 +31,8 @@ SHORT_BL = SHORT["BL"]
 @pytest.fixture(autouse=True, scope="module")
 def poisoned_buffers():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mt, "empty", lambda *s, dtype, device: torch.full(s, float("nan"), dtype=dtype, device=device))
+        mp.setattr(mt, "empty", lambda *s, dtype, device: torch.full(s[0] if len(s) == 1 and not isinstance(s[0], int)
+                                                                      else s, float("nan"), dtype=dtype, device=device))
         yield
 
 

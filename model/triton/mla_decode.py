@@ -274,18 +274,27 @@ def _absorb_kernel(x, w, out, B, s_xb, s_xh, s_wh, s_wk, s_wn,
     tl.store(out + (b[:, None] * H + i_h) * N + n[None, :], y, mask=(b < B)[:, None] & (n < N)[None, :])
 
 
-ABSORB = dict(BN=64, BK=64, num_warps=4)  # tiles of w per program and step (bench_kernels --ops mla_absorb)
+# Tiles of w per program and step, by the reduced dim K. Graph-timed per layer on the H200 (`bench_kernels
+# --ops mla_absorb`, batch 1, 32 heads): q_nope @ W_uk (K=128, N=512) 2.88 us at ABSORB's `2241bcba`, no other
+# config faster; o_lat @ W_uv^T (K=512, N=128) 5.01 us at ABSORB_LONG_K's `076a968f`, 6.11 us at ABSORB's
+# `8f09bfdf`.
+ABSORB = dict(BN=64, BK=64, num_warps=4)
+ABSORB_LONG_K = dict(BN=32, BK=128, num_warps=2)  # K >= 256
+
+
+def absorb_config(K: int) -> dict:
+    return ABSORB_LONG_K if K >= 256 else ABSORB
 
 
 def mla_absorb(x, w, cfg: dict | None = None):
     """out[b,h,n] = sum_k x[b,h,k] w[h,k,n] in fp32, fp32-accurate for fp32 x (x [B,H,K] any float dtype,
     w [H,K,N] bf16 or fp32, any strides): the absorbed key/value up-projections of MLA decode. `cfg`
-    overrides ABSORB (the benchmark's sweep)."""
+    overrides the default tiles (ABSORB, ABSORB_LONG_K; the benchmark's sweep)."""
     B, H, K = x.shape
     N = w.shape[2]
     assert x.stride(-1) == 1 and w.shape[:2] == (H, K)
     mt.require_runnable(_absorb_kernel, x.device)
-    c = {**ABSORB, **(cfg or {})}
+    c = {**absorb_config(K), **(cfg or {})}
     out = mt.empty(B, H, N, dtype=torch.float32, device=x.device)
     BN = min(_pad(N), c["BN"])
     _absorb_kernel[(H, triton.cdiv(N, BN))](x, w, out, B, x.stride(0), x.stride(1), *w.stride(), K=K, N=N,

@@ -1,4 +1,5 @@
-"""KDA's packed projections (`KimiDeltaAttention.pack_`): the same parameters, the same numbers, fewer launches.
+"""Packed projections (`KimiDeltaAttention.pack_`, `MultiLatentAttention.pack_`): the same parameters, the same
+numbers, fewer launches.
 
 The reference is the unpacked form: each nn.Linear applied on its own (`separate_projections`, the code the
 packing replaced). On a CPU in fp32 the packed q|k|v, f and gate come out bit-identical to it; b_proj (4 or
@@ -13,7 +14,7 @@ from model.build import from_state_dict, load_model
 from model.checkpoint import internal_names, save_checkpoint
 from model.config import PRESETS
 from model.generate import generate_incremental, generate_recompute
-from model.layers import KimiDeltaAttention
+from model.layers import KimiDeltaAttention, MultiLatentAttention
 from model.weights import synthetic_weights, weights_id
 from tests.conftest import rel_err
 
@@ -158,5 +159,58 @@ def test_pack_refuses_mixed_dtypes(state):
     m = from_state_dict(CFG, {n: t.clone() for n, t in state.items()})
     a = kda_layers(m)[0][1]
     a.b_proj.weight = torch.nn.Parameter(a.b_proj.weight.double(), requires_grad=False)
+    with pytest.raises(TypeError, match="one dtype"):
+        a.pack_()
+
+
+# ---- MLA: q_proj | kv_a_proj_with_mqa ----------------------------------------------------------------
+
+def mla_layers(model):
+    return [(i, layer.self_attn) for i, layer in enumerate(model.model.layers) if layer.kind != "kda"]
+
+
+def test_mla_parameters_are_views_of_the_packed_buffer(tiny, state):
+    assert mla_layers(tiny)
+    sd = tiny.state_dict()
+    for i, a in mla_layers(tiny):
+        assert a.in_proj_weight.shape == (a.q_proj.out_features + a.R + a.P, CFG.hidden_size)
+        assert a.q_proj.weight.data_ptr() == a.in_proj_weight.data_ptr()
+        assert a.kv_a_proj_with_mqa.weight.data_ptr() == a.in_proj_weight[a.q_proj.out_features].data_ptr()
+        for name in ("q_proj", "kv_a_proj_with_mqa"):   # copied from the caller's tensors, equal to them
+            key = f"model.layers.{i}.self_attn.{name}.weight"
+            assert sd[key].data_ptr() != state[key].data_ptr() and torch.equal(sd[key], state[key])
+
+
+def test_mla_forward_and_decode_read_the_packed_buffer(state):
+    """Poisoning the packed buffer must reach the logits of the span forward and of a decode step."""
+    m = from_state_dict(CFG, {n: t.clone() for n, t in state.items()})
+    mla_layers(m)[0][1].in_proj_weight.fill_(float("nan"))
+    assert torch.isnan(m(torch.tensor([PROMPTS[0]]))).all()
+    out = generate_incremental(m, PROMPTS[0][:1], 2, keep_logits=True)
+    assert all(torch.isnan(lg).all() for lg in out.logits)
+
+
+def separate_mla_projections(self, x):
+    """The unpacked reference of `MultiLatentAttention._project`: one launch per nn.Linear."""
+    return self.q_proj(x), self.kv_a_proj_with_mqa(x)
+
+
+def test_mla_packed_equals_unpacked(tiny):
+    packed = MultiLatentAttention._project
+    ids = torch.tensor([PROMPTS[1]])
+    got_rec, got_inc = tiny(ids), generate_incremental(tiny, PROMPTS[1], 6, keep_logits=True)
+    MultiLatentAttention._project = separate_mla_projections
+    try:
+        ref_rec, ref_inc = tiny(ids), generate_incremental(tiny, PROMPTS[1], 6, keep_logits=True)
+    finally:
+        MultiLatentAttention._project = packed
+    assert rel_err(got_rec, ref_rec) < 1e-6 and got_inc.tokens == ref_inc.tokens
+    assert max(rel_err(a, b) for a, b in zip(got_inc.logits, ref_inc.logits)) < 1e-6
+
+
+def test_mla_pack_refuses_mixed_dtypes(state):
+    m = from_state_dict(CFG, {n: t.clone() for n, t in state.items()})
+    a = mla_layers(m)[0][1]
+    a.q_proj.weight = torch.nn.Parameter(a.q_proj.weight.double(), requires_grad=False)
     with pytest.raises(TypeError, match="one dtype"):
         a.pack_()
