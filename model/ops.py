@@ -45,7 +45,12 @@ def _triton(t: torch.Tensor) -> bool:
 
 
 # ---- KDA --------------------------------------------------------------------------------------
-kda_gate = kda.kda_gate
+def kda_gate(f, A_log, dt_bias, head_dim):
+    """Log decay g = -exp(A_log[h]) * softplus(f + dt_bias), fp32, [..., H, head_dim] (`kda.kda_gate`)."""
+    if _triton(f):
+        from .triton.act import kda_gate as triton_kda_gate
+        return triton_kda_gate(f, A_log, dt_bias, head_dim)
+    return kda.kda_gate(f, A_log, dt_bias, head_dim)
 
 
 def causal_conv1d(x, weight, taps=None):

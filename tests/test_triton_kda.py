@@ -618,6 +618,9 @@ def sm90_spills() -> dict:
     out["silu_mul"] = stack_bytes(act._silu_mul_kernel, {**dict.fromkeys("guh", bf), "N": "i32", "I": "i32",
                                                          "stride_g": "i32", "stride_u": "i32"},
                                   dict(ROWS=act._BLOCK // 1024, BI=1024, LIBDEVICE=True), num_warps=4)
+    out["kda_gate"] = stack_bytes(act._kda_gate_kernel, {"f": bf, "A_log": f32, "dt_bias": f32, "g": f32, "N": "i32",
+                                                         "C": "i32", "stride_f": "i32"},
+                                  dict(D=128, ROWS=act._BLOCK // 1024, BC=1024), num_warps=4)
     out["control"] = stack_bytes(_segment_sums_kernel(broken=False), {"x": "*i32"}, dict(BT=4))
     try:
         out["broken"] = stack_bytes(_segment_sums_kernel(broken=True), {"x": "*i32"}, dict(BT=4))
@@ -649,7 +652,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["scan"] <= 16 and spills["prep"] <= 1280, spills
     assert spills["moe_router"] == 0, spills
     assert spills["conv"] == 0 and spills["moe_combine"] == 0, spills
-    assert spills["silu_mul"] == 0, spills
+    assert spills["silu_mul"] == 0 and spills["kda_gate"] == 0, spills
 
 
 # ---- real shapes on the GPU ---------------------------------------------------------------------

@@ -151,6 +151,55 @@ def test_gpu_silu_mul_bf16_rounds_like_torch(N, packed):
     assert ulps.max().item() <= 1
 
 
+# ---- KDA gate ------------------------------------------------------------------------------------------
+
+def gate_inputs(lead, H, d, dtype, seed, strided, device=DEV):
+    g0 = torch.Generator().manual_seed(seed)
+    f = (4 * torch.randn(*lead, H * d + (7 if strided else 0), generator=g0)).to(dtype)
+    f = f[..., 3:3 + H * d] if strided else f                     # a column slice: rows strided
+    f[..., 0] = 30.0                                               # the softplus threshold's far side
+    A_log = torch.rand(1, 1, H, 1, generator=g0) * 3 - 1
+    dt_bias = torch.randn(H * d, generator=g0)
+    return [t.to(device) for t in (f, A_log, dt_bias)]
+
+
+@given(lead=st.sampled_from([(1, 1), (2, 5), (1, 70), (3,)]), H=st.sampled_from([1, 4]), d=st.sampled_from([8, 128]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), strided=st.booleans(), seed=st.integers(0, 999))
+def test_kda_gate_matches_torch(lead, H, d, dtype, strided, seed):
+    """The one-pass gate against kda.kda_gate (torch's exact softplus and exp): fp32 g, [..., H, d]; large f
+    (past softplus's threshold 20) and f = -30 (a tiny softplus) included."""
+    f, A_log, dt_bias = gate_inputs(lead, H, d, dtype, seed, strided)
+    with ops.use("triton"):
+        g = ops.kda_gate(f, A_log, dt_bias, d)
+    ref = kda.kda_gate(f, A_log, dt_bias, d)
+    assert g.shape == ref.shape == (*lead, H, d) and g.dtype == torch.float32
+    assert torch.isfinite(g).all() and (g <= 0).all()
+    assert rel_err(g, ref) < 1e-5
+    with ops.use("triton"):
+        small = ops.kda_gate(torch.full((1, H * d), -30.0, device=DEV), A_log, torch.zeros_like(dt_bias), d)
+    ref_small = kda.kda_gate(torch.full((1, H * d), -30.0, device=DEV), A_log, torch.zeros_like(dt_bias), d)
+    assert rel_err(small, ref_small) < 1e-5    # softplus(-30) ~ 1e-13: log1p's small-argument branch
+
+
+def test_kda_gate_rejects_shapes_that_do_not_fit():
+    from model.triton.act import kda_gate
+    f, A_log, dt_bias = gate_inputs((2,), 4, 8, torch.float32, 0, False)
+    with pytest.raises(ValueError, match="do not fit"):
+        kda_gate(f, A_log, dt_bias[:8], 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        kda_gate(f[:, :30], A_log, dt_bias, 8)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_kda_gate_real_shapes():
+    """8k tokens x 32 heads x 128 in bf16, a strided f (the bmm output's rows), against torch's exact form."""
+    f, A_log, dt_bias = gate_inputs((1, 8192), 32, 128, torch.bfloat16, 1, True)
+    g = ops.kda_gate(f, A_log, dt_bias, 128)
+    ref = kda.kda_gate(f, A_log, dt_bias, 128)
+    assert torch.isfinite(g).all() and rel_err(g, ref) < 1e-5
+
+
 # ---- MoE combine ----------------------------------------------------------------------------------------
 
 def combine_inputs(N, K, D, seed, dtype=torch.float32, shared=True):

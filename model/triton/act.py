@@ -1,4 +1,6 @@
-"""SwiGLU's activation, h = silu(gate) * up, in one pass: the twin of `F.silu(g) * u` (`model.ops.silu_mul`).
+"""Elementwise activations over projection outputs, each in one pass.
+
+`silu_mul`: SwiGLU's activation, h = silu(gate) * up: the twin of `F.silu(g) * u` (`model.ops.silu_mul`).
 
 torch runs it as two kernels over the GEMM output (a silu, then a mul; both strided when gate and up are the
 two halves of one [N, 2I] tensor) and writes silu(g) to memory in between. Here gate and up are read once,
@@ -6,6 +8,11 @@ each through its own row stride, and h is written once.
 
 Rounding matches torch on CUDA: silu in fp32 from the input, as torch computes it, g / (1 + exp(-g)) with an
 IEEE exp and division, rounded to the input dtype; then the product in fp32, rounded to the input dtype.
+
+`kda_gate`: KDA's log decay g = -exp(A_log[h]) * softplus(f + dt_bias) in fp32 (`model.kda.kda_gate`), for a
+prefill span: torch runs it as an add, a softplus, an exp and a mul, each over [T, H*d] fp32 (~0.4 ms a layer
+at 8k tokens). Here f (bf16) is read once and g written once, with the decode kernel's softplus
+(`kda_decode._softplus`), so prefill and decode compute the gate alike.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 import model.triton as mt
+from model.triton.kda_decode import _softplus
 
 _BLOCK = 4096  # elements per program: rows x columns, columns a power of two up to 1024
 
@@ -67,3 +75,36 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(triton.cdiv(N, rows), triton.cdiv(I, BI))](
             g2, u2, h, N, I, g2.stride(0), u2.stride(0), ROWS=rows, BI=BI, LIBDEVICE=g.is_cuda, num_warps=4)
     return h
+
+
+@triton.jit
+def _kda_gate_kernel(f, A_log, dt_bias, g, N, C, stride_f, D: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr):
+    """Grid (cdiv(N, ROWS), cdiv(C, BC)): rows of C = H*D channels, f's rows stride_f apart, g [N, C] fp32."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = (rows < N)[:, None] & (cols < C)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(f + r64 * stride_f + cols[None, :], mask=mask, other=0.).to(tl.float32)
+    x += tl.load(dt_bias + cols, mask=cols < C, other=0.).to(tl.float32)[None, :]
+    a = -tl.exp(tl.load(A_log + cols // D, mask=cols < C, other=0.).to(tl.float32))
+    tl.store(g + r64 * C + cols[None, :], a[None, :] * _softplus(x), mask=mask)
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """f [..., H*head_dim] (any float dtype, rows may be strided), A_log with H values, dt_bias [H*head_dim] ->
+    g [..., H, head_dim] fp32."""
+    C = f.shape[-1]
+    if C % head_dim or A_log.numel() * head_dim != C or dt_bias.numel() != C:
+        raise ValueError(f"kda_gate: f {tuple(f.shape)}, A_log {tuple(A_log.shape)} and dt_bias "
+                         f"{tuple(dt_bias.shape)} do not fit head_dim {head_dim}")
+    mt.require_runnable(_kda_gate_kernel, f.device)
+    g = mt.empty(*f.shape[:-1], C // head_dim, head_dim, dtype=torch.float32, device=f.device)
+    if g.numel():
+        f2 = _rows(f, C)
+        N = f2.shape[0]
+        BC = min(1024, triton.next_power_of_2(C))
+        rows = _BLOCK // BC
+        _kda_gate_kernel[(triton.cdiv(N, rows), triton.cdiv(C, BC))](
+            f2, A_log.reshape(-1).contiguous(), dt_bias.contiguous(), g, N, C, f2.stride(0), D=head_dim, ROWS=rows,
+            BC=BC, num_warps=4)
+    return g
