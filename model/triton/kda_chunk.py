@@ -24,16 +24,19 @@ overflow nor lose digits. Matmuls run on tensor cores with fp32 accumulators; `p
     so a span sum E <= 0 is off by at most 2^-11 |E| and its decay e^E by at most 2^-11 |E| e^E
     <= 2^-11 / e = 1.8e-4 (absolute, for a factor <= 1);
   - w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32.
-- "bf16": as "tf32", but the dots that feed no triangular inverse take bf16 operands (as fla's do), the
-  MMA at twice the tf32 rate on half the registers and shared memory: in the prep kernel w = T (beta k e^G),
-  u = T (beta v), Aqk w and Aqk u (T and Aqk rounded to bf16 once they are complete), in the scan kernel
-  w S, qw S (S rounded to bf16 for these two products; the fp32 state itself carries on) and kd^T v_new
-  (v_new rounded). Each rounding is relative 2^-9, the size of the bf16 stores', and enters the state once,
-  through one chunk's update, after which the same recurrence that carries the state carries it (decays
-  <= 1, I - beta k k^T with |k| = 1 and 0 <= beta <= 1: no growth), so errors do not compound over the
-  chunks (tests/test_triton_kda.py holds a long T's error to a short T's). The gate
-  span sums, Akk and the inverse T = (I + Akk)^-1 stay on tf32 operands: Akk's error would be amplified
-  by the inverse, and the qk level dots share their tiles with Akk's (bf16 copies of them spilled more).
+- "bf16": as "tf32", but every dot other than the gate span sums and the inverse's takes bf16 operands,
+  as fla's do, the MMA at twice the tf32 rate on half the registers and shared memory: in the prep kernel
+  the level dots of Akk and Aqk, w = T (beta k e^G), u = T (beta v), Aqk w and Aqk u (T and Aqk rounded to
+  bf16 once complete); in the scan kernel w S, qw S (S rounded to bf16 for these two products; the fp32
+  state itself carries on) and kd^T v_new (v_new rounded). Each rounding is relative 2^-9, the size of the
+  bf16 stores', and enters the state once, through one chunk's update, after which the same recurrence
+  that carries the state carries it (decays <= 1, I - beta k k^T with |k| = 1 and 0 <= beta <= 1: no
+  growth), so errors do not compound over the chunks (tests/test_triton_kda.py holds a long T's error to
+  a short T's). Akk's operand rounding goes through the inverse, T + dT = T - T dA T; T is benign here
+  (the chunk's delta-rule product, a contraction) and fla rounds T itself to bf16: on the CPU test inputs,
+  Akk's level dots in bf16 against tf32 changed no error by more than 5% (nearly identical keys with
+  beta = 1, the worst case tried, included). The span sums stay tf32 because fla keeps gates fp32, and
+  the inverse's six doubling steps stay tf32 as fla's solve stays fp32.
 Tiles and warps were picked by timing on the H200 (T=8192, 32 heads of 128, bf16): the prep kernel at
 64-column slices and 4 warps took 1.39 ms against 1.91 ms at 8 warps, though at 4 warps it spills about
 1.2 KB per thread (264 B at 8 warps); the scan kernel spills 16 B. tests/test_triton_kda.py bounds both
@@ -54,7 +57,7 @@ _BV = 32     # state columns per scan program
 _PREP_WARPS = 4  # see the module docstring: faster than 8 although it spills more
 _SCAN_WARPS = 8
 # Dot precision of bf16/fp16 inputs (see "Precision" in the module docstring): "tf32" (fp32 operands) or
-# "bf16" (bf16 operands wherever no triangular inverse is fed). fp32 inputs always take "tf32x3".
+# "bf16" (bf16 operands but for the gate span sums and the inverse). fp32 inputs take "tf32x3" by default.
 LOW_PREC = "tf32"
 PRECS = ("tf32x3", "tf32", "bf16")
 
@@ -106,7 +109,8 @@ def _dot(a, b, PREC: tl.constexpr, LOWP: tl.constexpr, MMA: tl.constexpr):
 
 
 @triton.jit
-def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
+def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+                 MMA: tl.constexpr):
     """Partial sums (over this K slice) of sum_c k_t k_s exp(G_t - G_s) and the same with q_t, for the
     pairs (t, s) with t in the upper and s in the lower half of one 2*half-block of rows; zero elsewhere.
 
@@ -114,7 +118,8 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
     both factors <= 1, one per row, so the pairs of a level are one tl.dot. Each exponent is the sum of
     the gates it spans, taken as a 0/1-masked product with g (PREC: tf32x3 is fp32-accurate, tf32 is
     bounded in the module docstring; a -1000 gate outside the span contributes an exact 0), never as a
-    difference of long prefix sums, which would lose its low digits after a gate of -1000.
+    difference of long prefix sums, which would lose its low digits after a gate of -1000. The pair
+    dots take bf16 operands with LOWP (see "Precision" in the module docstring).
     """
     r = tl.arange(0, BT)
     c = tl.arange(0, BT)
@@ -124,10 +129,10 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
     decay = tl.exp(tl.dot(spans.to(tl.float32), g_s, input_precision=PREC))
     k_row = tl.where(upper[:, None], k_s * decay, 0.)
     q_row = tl.where(upper[:, None], q_s * decay, 0.)
-    k_col = tl.trans(tl.where(upper[:, None], 0., k_s * decay))
+    k_col = _operand(tl.trans(tl.where(upper[:, None], 0., k_s * decay)), LOWP, MMA)
     pair = (r[:, None] // (2 * half)) == (c[None, :] // (2 * half))
-    A_kk = tl.where(pair, tl.dot(k_row, k_col, input_precision=PREC), 0.)
-    A_qk = tl.where(pair, tl.dot(q_row, k_col, input_precision=PREC), 0.)
+    A_kk = tl.where(pair, _dot(k_row, k_col, PREC, LOWP, MMA), 0.)
+    A_qk = tl.where(pair, _dot(q_row, k_col, PREC, LOWP, MMA), 0.)
     return A_kk, A_qk
 
 
@@ -193,7 +198,7 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK) * f_k[:, None]
         g_s = _load_rows(g0 + kk, n_live, 0, S_G, BT, BK)
         for lvl in range(LOG2_BT):  # a loop, not unrolled: one level's tiles live at a time
-            A_kk, A_qk = _level_pairs(q_s, k_s, g_s, 1 << lvl, BT, PREC)
+            A_kk, A_qk = _level_pairs(q_s, k_s, g_s, 1 << lvl, BT, PREC, LOWP, MMA)
             Akk += A_kk
             Aqk += A_qk
         Aqk += tl.where(r[:, None] == c[None, :], tl.sum(q_s * k_s, axis=1)[:, None], 0.)
