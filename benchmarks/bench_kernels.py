@@ -1,7 +1,7 @@
 """Kernel speed: our Triton kernels against a peer on the same inputs, in one process.
 
     python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine]
-        [--chunk-T 1024,8192,32768] [--chunk-prec tf32,bf16] [--chunk-kernels] [--decode-B 1,8,64]
+        [--chunk-T 1024,8192,32768] [--chunk-prec tf32,bf16] [--chunk-kernels] [--chunk-sweep] [--decode-B 1,8,64]
         [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
     python -m benchmarks.bench_kernels --ops mla_decode_layout [--mla-T 1056,8192]
@@ -12,7 +12,8 @@ FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=
   q/k in the kernel and taking the same q, k, v, g (log decay, fp32) and beta (after the sigmoid); one
   record per precision mode of ours in --chunk-prec (params "prec", see model/triton/kda_chunk.py; default
   its LOW_PREC), fla timed again in each; --chunk-kernels adds each side's GPU time per kernel (`ours_kernel_us`,
-  `peer_kernel_us`: torch.profiler, a split of the time, not a timing to compare);
+  `peer_kernel_us`: torch.profiler, a split of the time, not a timing to compare); --chunk-sweep also times
+  each launch config of CHUNK_SWEEP per T and mode (sweep records, each with its per-kernel split);
 - decode step, one token per sequence: our whole step in one launch (conv-tap update, conv + SiLU, gate,
   beta, L2 norm, state update, output, gated output RMSNorm) vs fla's `fused_recurrent_kda` call alone (given
   the post-conv q/k/v, the gate and beta, L2 norm in its kernel). The issue's target compares exactly these.
@@ -217,6 +218,54 @@ def chunk_case(T: int, peer, rep_ms: int, prec: str, per_kernel: bool = False,
         except Exception as e:
             res[f"{side}_kernel_us_error"] = f"{type(e).__name__}: {e}"
     return res, reasons
+
+
+# --chunk-sweep: the default launch config, then one kernel's config changed at a time (prep and scan are
+# separate launches: each side's time shows in `ours_kernel_us`)
+CHUNK_SWEEP = [{}, dict(prep_warps=8)] + [dict(scan_warps=nw, BV=bv) for nw in (4, 8) for bv in (16, 32, 64)]
+
+
+def chunk_sweep(T: int, prec: str | None, rep_ms: int, device: str = "cuda") -> list[dict]:
+    """Our chunk prefill at each config of CHUNK_SWEEP (merged into kda_chunk.LAUNCH[prec]), do_bench-timed with
+    the per-kernel split, the output checked against the default config's. One record per config."""
+    from model.triton import kda_chunk
+    from model.triton.kda_chunk import chunk_kda_fwd
+    prec = prec or kda_chunk.LOW_PREC
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, T, H, D, generator=gen).to(device, DTYPE) for _ in range(3))
+    g, beta = gate_inputs(1, T, gen, device)
+    h0 = torch.randn(1, H, D, D, generator=gen).to(device)
+
+    def ours(cfg):
+        return chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True, prec=prec, cfg=cfg)
+
+    ref, recs, best = ours(None)[0], [], None
+    for cfg in CHUNK_SWEEP:
+        full = {**kda_chunk.LAUNCH[prec], **cfg}
+        if cfg and full == kda_chunk.LAUNCH[prec]:
+            continue  # the default, timed first
+        reasons = []
+        try:
+            err = rel_err(ours(cfg)[0], ref)
+            if not err <= 1e-2:  # another MMA layout may sum in another order: bf16 roundings of o can differ
+                reasons.append(f"differs from the default config: relative RMS error {err:.3g}")
+            results = {"ours_ms": gpu_ms(lambda: ours(cfg), rep_ms), "rel_err_vs_default": err}
+            if device == "cuda":
+                results["ours_kernel_us"] = kernel_us(lambda: ours(cfg))
+        except Exception as e:  # a config that fails to compile or run is recorded and skipped
+            traceback.print_exc()
+            results, reasons = {}, [f"{full} failed: {type(e).__name__}: {e}"]
+        params = {"op": "chunk_kda", "B": 1, "T": T, "H": H, "d": D, "dtype": "bfloat16", "prec": prec,
+                  "sweep": True, "cfg": full}
+        rec = kernel_record(params, results, reasons, device)
+        recs.append(rec)
+        log(f"  chunk_kda T={T} prec={prec} {full}  ours={_ms(results.get('ours_ms'))} "
+            f"{results.get('ours_kernel_us', '')}  {rec['verdict']}")
+        if not reasons and (best is None or results["ours_ms"] < best[1]):
+            best = (full, results["ours_ms"])
+    if best is not None:
+        log(f"  best chunk_kda T={T} prec={prec}: {best[0]} {best[1]:.4f} ms")
+    return recs
 
 
 def decode_step_inputs(B: int) -> tuple:
@@ -749,6 +798,8 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk-prec", default="", help="chunk_kda: comma-separated precision modes of ours, one record "
                     "each (tf32, bf16; see model/triton/kda_chunk.py); default its LOW_PREC")
     ap.add_argument("--chunk-kernels", action="store_true", help="chunk_kda: each side's GPU time per kernel")
+    ap.add_argument("--chunk-sweep", action="store_true",
+                    help="chunk_kda: also time every launch config of CHUNK_SWEEP, per --chunk-T and --chunk-prec")
     ap.add_argument("--decode-B", default="1,8,64")
     ap.add_argument("--mla-T", default="1024,32768,131072", help="mla_decode contexts (batch 1)")
     ap.add_argument("--prefill-T", default="8192", help="token counts for the causal_conv1d and moe_combine cases")
@@ -775,6 +826,10 @@ def main(argv=None) -> None:
         log(f"peer: {f'fla {peer[2]}' if peer else peer_missing}")
     recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms, prec, args.chunk_kernels)
             for T in args.chunk_T.split(",") if T and "chunk_kda" in ops for prec in precs]
+    if args.chunk_sweep and "chunk_kda" in ops:
+        for T in (int(t) for t in args.chunk_T.split(",") if t):
+            for prec in precs:
+                chunk_sweep(T, prec, args.rep_ms)
     recs += [run_case("kda_decode_step", int(B), 1, peer, peer_missing, args.rep_ms)
              for B in args.decode_B.split(",") if B and "kda_decode_step" in ops]
     if args.decode_sweep and "kda_decode_step" in ops:

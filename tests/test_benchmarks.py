@@ -322,6 +322,12 @@ def test_chunk_bench_plumbing(records_dir, monkeypatch):
     assert len(load(kinds="kernel", root=records_dir).records) == 2
     with pytest.raises(SystemExit, match="chunk-prec"):
         bk.main(["--ops", "chunk_kda", "--chunk-prec", "tf32,fp8"])
+    # the launch-config sweep: the default first, a config equal to it skipped, each checked against it
+    monkeypatch.setattr(bk, "D", 32)
+    monkeypatch.setattr(bk, "CHUNK_SWEEP", [{}, dict(BV=32), dict(scan_warps=4, BV=16)])
+    recs = bk.chunk_sweep(70, "bf16", 1, device="cpu")
+    assert [r["params"]["cfg"]["BV"] for r in recs] == [32, 16] and all(r["params"]["sweep"] for r in recs)
+    assert all(r["verdict"] == "VALID" and r["results"]["rel_err_vs_default"] < 1e-6 for r in recs)
 
 
 # ---- bench_kernels: MLA decode layouts ---------------------------------------------

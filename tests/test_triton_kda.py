@@ -196,10 +196,12 @@ def test_chunk_bf16_error_does_not_grow_with_length(regime):
     assert last <= 2 * last_tf32 and state <= 2 * state_tf32, (last, last_tf32, state, state_tf32)
 
 
-def test_chunk_rejects_an_unknown_precision():
+def test_chunk_rejects_an_unknown_precision_or_launch_key():
     q, k, v, g, beta, h0 = kda_inputs(1, 3, 1, 16, 16, "model", 0)
     with pytest.raises(ValueError, match="prec"):
         chunk_kda_fwd(q, k, v, g, beta, prec="fp8")
+    with pytest.raises(ValueError, match="cfg"):
+        chunk_kda_fwd(q, k, v, g, beta, cfg=dict(BK=16))
 
 
 def test_chunk_empty_sequence_returns_the_initial_state():
@@ -551,14 +553,16 @@ def sm90_spills() -> dict:
                  "eglast": f32, "T": "i32", "NT": "i32", "scale": "fp32"}
     scan_sig = {**dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf), **dict.fromkeys(["eglast", "h0", "ht"], f32),
                 "o": bf, "T": "i32", "NT": "i32"}
-    for prec, dots in (("tf32", dict(PREC="tf32", LOWP=False, MMA=True)), ("bf16", dict(PREC="tf32", LOWP=True, MMA=True))):
+    for prec in ("tf32", "bf16"):
+        dots = dict(PREC="tf32", LOWP=prec == "bf16", MMA=True)
         out[f"prep_{prec}"] = stack_bytes(kc._kda_chunk_prep_kernel, chunk_sig,
                                           dict(H=32, K=128, V=128, BT=kc.CHUNK, BK=kc._SLICE, LOG2_BT=kc._LOG2_CHUNK,
                                                L2NORM=True, **dots, S_Q=3 * 32 * 128, S_K=3 * 32 * 128,
-                                               S_V=3 * 32 * 128, S_G=32 * 128), num_warps=kc._PREP_WARPS)
+                                               S_V=3 * 32 * 128, S_G=32 * 128), num_warps=kc.LAUNCH[prec]["prep_warps"])
         out[f"scan_{prec}"] = stack_bytes(kc._kda_chunk_scan_kernel, scan_sig,
-                                          dict(H=32, K=128, V=128, BT=kc.CHUNK, BV=kc._BV, HAS_H0=True, STORE_HT=True,
-                                               **dots), num_warps=kc._SCAN_WARPS, num_stages=1)
+                                          dict(H=32, K=128, V=128, BT=kc.CHUNK, BV=kc.LAUNCH[prec]["BV"], HAS_H0=True,
+                                               STORE_HT=True, **dots),
+                                          num_warps=kc.LAUNCH[prec]["scan_warps"], num_stages=1)
     out.update({
         "decode": stack_bytes(kd._kda_decode_kernel, {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf),
                                                   "A_log": f32, "dt_bias": f32, "b_raw": bf, "state": f32, "o": bf,

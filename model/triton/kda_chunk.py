@@ -53,13 +53,14 @@ import model.triton as mt
 CHUNK = 64
 _LOG2_CHUNK = 6
 _SLICE = 64  # columns of q, k, g, v the prep kernel holds at a time
-_BV = 32     # state columns per scan program
-_PREP_WARPS = 4  # see the module docstring: faster than 8 although it spills more
-_SCAN_WARPS = 8
 # Dot precision of bf16/fp16 inputs (see "Precision" in the module docstring): "tf32" (fp32 operands) or
 # "bf16" (bf16 operands but for the gate span sums and the inverse). fp32 inputs take "tf32x3" by default.
 LOW_PREC = "tf32"
 PRECS = ("tf32x3", "tf32", "bf16")
+# Launch config by precision mode: warps of the prep kernel, warps of the scan kernel and its state columns
+# per program (BV). Timed for "tf32" (module docstring: 4 prep warps beat 8 although they spill more); the
+# others start from it. chunk_kda_fwd(cfg=...) overrides keys (`bench_kernels --chunk-sweep` times a grid).
+LAUNCH = {prec: dict(prep_warps=4, scan_warps=8, BV=32) for prec in PRECS}
 
 
 @triton.jit
@@ -314,13 +315,13 @@ def _compiled() -> bool:
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, l2norm_qk=True,
-                  prec=None):
+                  prec=None, cfg: dict | None = None):
     """Chunked KDA forward; same layout and meaning as `model.kda.chunk_kda`.
 
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H] (float dtypes; g is the log decay, <= 0);
     initial_state [B, H, K, V] (cast to fp32) or None. Any T >= 0. q and k are L2-normalised inside
     when l2norm_qk; scale defaults to K^-0.5. prec: one of PRECS (see "Precision" in the module docstring);
-    None takes "tf32x3" when any of q, k, v is fp32, else LOW_PREC.
+    None takes "tf32x3" when any of q, k, v is fp32, else LOW_PREC. cfg: keys of LAUNCH[prec] to override.
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32, or None when not asked for).
     """
     if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
@@ -344,6 +345,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
                          f"got {tuple(initial_state.shape)}")
     if prec is not None and prec not in PRECS:
         raise ValueError(f"chunk_kda_fwd: prec must be one of {PRECS} or None, got {prec!r}")
+    if cfg is not None and set(cfg) - set(LAUNCH[LOW_PREC]):
+        raise ValueError(f"chunk_kda_fwd: cfg keys must be among {sorted(LAUNCH[LOW_PREC])}, got {sorted(cfg)}")
     mt.require_runnable(_kda_chunk_prep_kernel, q.device)
     scale = K ** -0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.to(device=q.device, dtype=torch.float32).contiguous()
@@ -365,15 +368,17 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     store = torch.float32 if prec == "tf32x3" else torch.bfloat16
     # the precision of the fp32-operand dots, and whether the others take bf16 operands
     dots = dict(PREC="tf32" if prec == "bf16" else prec, LOWP=prec == "bf16", MMA=_compiled())
+    launch = {**LAUNCH[prec], **(cfg or {})}
     w, qw, kd = (mt.empty(BH, NT * CHUNK, K, dtype=store, device=dev) for _ in range(3))
     u, ou = (mt.empty(BH, NT * CHUNK, V, dtype=store, device=dev) for _ in range(2))
     eglast = mt.empty(BH, NT, K, dtype=torch.float32, device=dev)
     _kda_chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
                                      H=H, K=K, V=V, BT=CHUNK, BK=min(_SLICE, K, V), LOG2_BT=_LOG2_CHUNK,
                                      L2NORM=bool(l2norm_qk), **dots, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
-                                     num_warps=_PREP_WARPS)
-    BV = min(V, _BV)
+                                     num_warps=launch["prep_warps"])
+    BV = min(V, launch["BV"])
     _kda_chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                                           H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None,
-                                          STORE_HT=ht is not None, **dots, num_warps=_SCAN_WARPS, num_stages=1)
+                                          STORE_HT=ht is not None, **dots, num_warps=launch["scan_warps"],
+                                          num_stages=1)
     return o, ht
