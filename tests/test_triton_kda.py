@@ -744,10 +744,12 @@ def test_gpu_chunk_saturated_gates(regime):
 @gpu
 @pytest.mark.parametrize("regime", ["near0", "minus5", "model"])
 def test_gpu_chunk_bf16_error_does_not_grow_with_length(regime, no_tf32):
-    """As the CPU test, at the model's shapes (32 heads of 128) and 512 chunks."""
+    """As the CPU test, at the model's shapes (32 heads of 128) and 512 chunks: errors compounding over the
+    chunks would grow the last chunk's ~sqrt(512) = 23x over the first's; 3x leaves room for the state's
+    own change over the sequence (the tf32 mode's error grew 1.4x over 32 chunks on the CPU)."""
     first, last, state = chunk_error_growth(32768, 128, regime, "bf16")
     _, last_tf32, state_tf32 = chunk_error_growth(32768, 128, regime, "tf32")
-    assert last <= 2 * first and last <= BF16_TOL and state <= BF16_TOL, (first, last, state)
+    assert last <= 3 * first and last <= BF16_TOL and state <= BF16_TOL, (first, last, state)
     assert last <= 2 * last_tf32 and state <= 2 * state_tf32, (last, last_tf32, state, state_tf32)
 
 
