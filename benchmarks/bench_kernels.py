@@ -1,8 +1,7 @@
 """Kernel speed: our Triton kernels against a peer on the same inputs, in one process.
 
     python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine]
-        [--chunk-T 1024,8192,32768] [--chunk-prec tf32,bf16] [--chunk-kernels] [--chunk-sweep] [--decode-B 1,8,64]
-        [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
+        [--chunk-T 1024,8192,32768] [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
     python -m benchmarks.bench_kernels --ops mla_decode_layout [--mla-T 1056,8192]
     python -m benchmarks.bench_kernels --ops mla_absorb
@@ -10,11 +9,7 @@
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
 FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=32 heads, head dim 128, bf16.
 - chunk prefill, batch 1, fp32 initial state: our `chunk_kda_fwd` vs fla's `chunk_kda`, both L2-normalising
-  q/k in the kernel and taking the same q, k, v, g (log decay, fp32) and beta (after the sigmoid); one
-  record per precision mode of ours in --chunk-prec (params "prec", see model/triton/kda_chunk.py; default
-  its LOW_PREC), fla timed again in each; --chunk-kernels adds each side's GPU time per kernel (`ours_kernel_us`,
-  `peer_kernel_us`: torch.profiler, a split of the time, not a timing to compare); --chunk-sweep also times
-  each launch config of CHUNK_SWEEP per T and mode (sweep records, each with its per-kernel split);
+  q/k in the kernel and taking the same q, k, v, g (log decay, fp32) and beta (after the sigmoid);
 - decode step, one token per sequence: our whole step in one launch (conv-tap update, conv + SiLU, gate,
   beta, L2 norm, state update, output, gated output RMSNorm) vs fla's `fused_recurrent_kda` call alone (given
   the post-conv q/k/v, the gate and beta, L2 norm in its kernel). The issue's target compares exactly these.
@@ -166,46 +161,30 @@ def time_peer(fn, compare, res: dict, reasons: list, rep_ms: int, eager: bool = 
         reasons.append(f"peer failed: {type(e).__name__}: {e}")
 
 
-def gate_inputs(B, T, gen, device="cuda"):
+def gate_inputs(B, T, gen):
     """The model's gate and beta on random activations: g fp32 [B,T,H,D], beta [B,T,H]."""
     from model import kda
-    A_log = (torch.rand(H, generator=gen) * 3 - 1).to(device)
-    dt_bias = torch.randn(H * D, generator=gen).to(device)
-    f = torch.randn(B, T, H * D, generator=gen).to(device, DTYPE)
-    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen)).to(device, DTYPE)
+    A_log = (torch.rand(H, generator=gen) * 3 - 1).cuda()
+    dt_bias = torch.randn(H * D, generator=gen).cuda()
+    f = torch.randn(B, T, H * D, generator=gen).cuda().to(DTYPE)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen)).cuda().to(DTYPE)
     return kda.kda_gate(f, A_log, dt_bias, D), beta
 
 
-def kernel_us(fn, n: int = 20) -> dict[str, float]:
-    """Mean GPU microseconds per call of each kernel fn launches (torch.profiler, L2 not flushed): how a
-    do_bench time splits across kernels, not a time to compare."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: round(e.self_device_time_total / n, 2) for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0}
-
-
-def chunk_case(T: int, peer, rep_ms: int, prec: str, per_kernel: bool = False,
-               device: str = "cuda") -> tuple[dict, list[str]]:
+def chunk_case(T: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
     from model.triton.kda_chunk import chunk_kda_fwd
     gen = torch.Generator().manual_seed(T)
-    q, k, v = (torch.randn(1, T, H, D, generator=gen).to(device, DTYPE) for _ in range(3))
-    g, beta = gate_inputs(1, T, gen, device)
-    h0 = torch.randn(1, H, D, D, generator=gen).to(device)
+    q, k, v = (torch.randn(1, T, H, D, generator=gen).cuda().to(DTYPE) for _ in range(3))
+    g, beta = gate_inputs(1, T, gen)
+    h0 = torch.randn(1, H, D, D, generator=gen).cuda()
 
     def ours():
-        return chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True, prec=prec)
+        return chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True)
 
     o, ht = ours()
     res, reasons = {"ours_ms": gpu_ms(ours, rep_ms)}, []
     if not (torch.isfinite(o).all() and torch.isfinite(ht).all()):
         reasons.append("ours produced non-finite values")
-    sides = {"ours": ours}
     if peer is not None:
         def theirs():
             return peer[0](q, k, v, g, beta, scale=D ** -0.5, initial_state=h0, output_final_state=True,
@@ -213,61 +192,7 @@ def chunk_case(T: int, peer, rep_ms: int, prec: str, per_kernel: bool = False,
 
         time_peer(theirs, lambda out: {"rel_err_vs_peer": rel_err(o, out[0]),
                                        "state_rel_err_vs_peer": rel_err(ht, out[1])}, res, reasons, rep_ms)
-        sides["peer"] = theirs
-    for side, fn in sides.items() if per_kernel else ():
-        try:  # a breakdown, not a verdict: its failure is noted and leaves the record as it is
-            res[f"{side}_kernel_us"] = kernel_us(fn)
-        except Exception as e:
-            res[f"{side}_kernel_us_error"] = f"{type(e).__name__}: {e}"
     return res, reasons
-
-
-# --chunk-sweep: the default launch config, then one kernel's config changed at a time (prep and scan are
-# separate launches: each side's time shows in `ours_kernel_us`)
-CHUNK_SWEEP = [{}, dict(prep_warps=8)] + [dict(scan_warps=nw, BV=bv) for nw in (4, 8) for bv in (16, 32, 64)]
-
-
-def chunk_sweep(T: int, prec: str | None, rep_ms: int, device: str = "cuda") -> list[dict]:
-    """Our chunk prefill at each config of CHUNK_SWEEP (merged into kda_chunk.LAUNCH[prec]), do_bench-timed with
-    the per-kernel split, the output checked against the default config's. One record per config."""
-    from model.triton import kda_chunk
-    from model.triton.kda_chunk import chunk_kda_fwd
-    prec = prec or kda_chunk.LOW_PREC
-    gen = torch.Generator().manual_seed(T)
-    q, k, v = (torch.randn(1, T, H, D, generator=gen).to(device, DTYPE) for _ in range(3))
-    g, beta = gate_inputs(1, T, gen, device)
-    h0 = torch.randn(1, H, D, D, generator=gen).to(device)
-
-    def ours(cfg):
-        return chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True, prec=prec, cfg=cfg)
-
-    ref, recs, best = ours(None)[0], [], None
-    for cfg in CHUNK_SWEEP:
-        full = {**kda_chunk.LAUNCH[prec], **cfg}
-        if cfg and full == kda_chunk.LAUNCH[prec]:
-            continue  # the default, timed first
-        reasons = []
-        try:
-            err = rel_err(ours(cfg)[0], ref)
-            if not err <= 1e-2:  # another MMA layout may sum in another order: bf16 roundings of o can differ
-                reasons.append(f"differs from the default config: relative RMS error {err:.3g}")
-            results = {"ours_ms": gpu_ms(lambda: ours(cfg), rep_ms), "rel_err_vs_default": err}
-            if device == "cuda":
-                results["ours_kernel_us"] = kernel_us(lambda: ours(cfg))
-        except Exception as e:  # a config that fails to compile or run is recorded and skipped
-            traceback.print_exc()
-            results, reasons = {}, [f"{full} failed: {type(e).__name__}: {e}"]
-        params = {"op": "chunk_kda", "B": 1, "T": T, "H": H, "d": D, "dtype": "bfloat16", "prec": prec,
-                  "sweep": True, "cfg": full}
-        rec = kernel_record(params, results, reasons, device)
-        recs.append(rec)
-        log(f"  chunk_kda T={T} prec={prec} {full}  ours={_ms(results.get('ours_ms'))} "
-            f"{results.get('ours_kernel_us', '')}  {rec['verdict']}")
-        if not reasons and (best is None or results["ours_ms"] < best[1]):
-            best = (full, results["ours_ms"])
-    if best is not None:
-        log(f"  best chunk_kda T={T} prec={prec}: {best[0]} {best[1]:.4f} ms")
-    return recs
 
 
 def decode_step_inputs(B: int) -> tuple:
@@ -549,14 +474,8 @@ def combine_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
 TORCH_PEER_CASES = {"causal_conv1d": conv_case, "moe_combine": combine_case}
 
 
-def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int, prec: str | None = None,
-             per_kernel: bool = False, device: str = "cuda") -> dict:
-    """One record. chunk_kda only: prec, the precision mode of ours (None: kda_chunk.LOW_PREC), and
-    per_kernel, each side's time per kernel."""
+def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int) -> dict:
     params = {"op": op, "B": B, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
-    if op == "chunk_kda":
-        from model.triton import kda_chunk
-        params.update(prec=prec or kda_chunk.LOW_PREC)
     if op == "kda_decode_step":
         params.update(ours_scope="conv-tap update through gated output norm, one launch",
                       peer_scope="fused_recurrent_kda call alone")
@@ -571,10 +490,9 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
             results, reasons = mla_case(T, rep_ms)
         elif op in TORCH_PEER_CASES:
             results, reasons = TORCH_PEER_CASES[op](T, rep_ms)
-        elif op == "chunk_kda":
-            results, reasons = chunk_case(T, peer, rep_ms, params["prec"], per_kernel, device)
         else:
-            results, reasons = decode_case(B, peer, rep_ms)
+            fn = chunk_case if op == "chunk_kda" else decode_case
+            results, reasons = fn(T if op == "chunk_kda" else B, peer, rep_ms)
     except Exception as e:  # one failing shape must not end the run
         traceback.print_exc()
         results, reasons = {}, [f"{op} failed: {type(e).__name__}: {e}"]
@@ -592,7 +510,7 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
                            f"> {tol}")
     elif not reasons:
         reasons.append("no peer time")
-    rec = kernel_record(params, results, reasons, device)
+    rec = kernel_record(params, results, reasons, "cuda")
     log(f"  {results}  {rec['verdict']} {reasons}")
     return rec
 
@@ -606,17 +524,16 @@ def summarize(recs: list[dict]) -> None:
     for r in recs:
         p, x = r["params"], r["results"]
         ours, theirs = x.get("ours_ms"), x.get("peer_ms")
-        mode = f" prec={p['prec']}" if "prec" in p else ""
-        line = f"  {p['op']:16s} B={p['B']:<3d} T={p['T']:<6d}{mode} ours={_ms(ours)}  {x.get('peer')}={_ms(theirs)}"
+        line = f"  {p['op']:16s} B={p['B']:<3d} T={p['T']:<6d} ours={_ms(ours)}  {x.get('peer')}={_ms(theirs)}"
         if "speedup" in x:
             line += f"  speedup={x['speedup']:.2f}x  rel_err={x['rel_err_vs_peer']:.2e}"
         log(line + f"  {r['verdict']}")
-    for op, key, n, cmp in TARGETS:  # each record that has one (chunk_kda: one per precision mode)
-        for p, x in ((r["params"], r["results"]) for r in recs
-                     if r["params"]["op"] == op and r["params"][key] == n and "speedup" in r["results"]):
+    for op, key, n, cmp in TARGETS:
+        x = next((r["results"] for r in recs
+                  if r["params"]["op"] == op and r["params"][key] == n and "speedup" in r["results"]), None)
+        if x is not None:
             met = x["ours_ms"] <= x["peer_ms"] if cmp == "<=" else x["ours_ms"] < x["peer_ms"]
-            mode = f" prec={p['prec']}" if "prec" in p else ""
-            log(f"  target {op} {key}={n}{mode}: ours {cmp} {x['peer']}: {'MET' if met else 'MISSED'}")
+            log(f"  target {op} {key}={n}: ours {cmp} {x['peer']}: {'MET' if met else 'MISSED'}")
 
 
 # ---- MoE decode: router + routing, expert GEMVs -------------------------------------------------------
@@ -844,11 +761,6 @@ def main(argv=None) -> None:
                     help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, mla_decode_layout, "
                          "mla_absorb, " + ", ".join(TORCH_PEER_CASES))
     ap.add_argument("--chunk-T", default="1024,8192,32768")
-    ap.add_argument("--chunk-prec", default="", help="chunk_kda: comma-separated precision modes of ours, one record "
-                    "each (tf32, bf16; see model/triton/kda_chunk.py); default its LOW_PREC")
-    ap.add_argument("--chunk-kernels", action="store_true", help="chunk_kda: each side's GPU time per kernel")
-    ap.add_argument("--chunk-sweep", action="store_true",
-                    help="chunk_kda: also time every launch config of CHUNK_SWEEP, per --chunk-T and --chunk-prec")
     ap.add_argument("--decode-B", default="1,8,64")
     ap.add_argument("--mla-T", default="1024,32768,131072", help="mla_decode contexts (batch 1)")
     ap.add_argument("--prefill-T", default="8192", help="token counts for the causal_conv1d and moe_combine cases")
@@ -863,22 +775,14 @@ def main(argv=None) -> None:
                           *TORCH_PEER_CASES}
     if unknown:
         raise SystemExit(f"unknown --ops {sorted(unknown)}")
-    precs = [p for p in args.chunk_prec.split(",") if p] or [None]
-    from model.triton.kda_chunk import PRECS
-    if set(precs) - {None, *PRECS}:
-        raise SystemExit(f"unknown --chunk-prec {sorted(set(precs) - {None, *PRECS})}; known: {PRECS}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
     peer, peer_missing = None, None
     if {"chunk_kda", "kda_decode_step"} & set(ops):
         peer, peer_missing = load_fla()
         log(f"peer: {f'fla {peer[2]}' if peer else peer_missing}")
-    recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms, prec, args.chunk_kernels)
-            for T in args.chunk_T.split(",") if T and "chunk_kda" in ops for prec in precs]
-    if args.chunk_sweep and "chunk_kda" in ops:
-        for T in (int(t) for t in args.chunk_T.split(",") if t):
-            for prec in precs:
-                chunk_sweep(T, prec, args.rep_ms)
+    recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms)
+            for T in args.chunk_T.split(",") if T and "chunk_kda" in ops]
     recs += [run_case("kda_decode_step", int(B), 1, peer, peer_missing, args.rep_ms)
              for B in args.decode_B.split(",") if B and "kda_decode_step" in ops]
     if args.decode_sweep and "kda_decode_step" in ops:

@@ -299,37 +299,6 @@ def test_a_peer_out_of_memory_is_a_skip_not_a_failure():
     assert ours.invalid  # our own OOM still voids the record
 
 
-# ---- bench_kernels: chunk prefill ----------------------------------------------------------------
-
-def test_chunk_bench_plumbing(records_dir, monkeypatch):
-    """`--ops chunk_kda --chunk-prec ...` on the CPU through the interpreter, small shapes, a fake clock and the
-    torch reference standing in for fla: one VALID record per precision mode, its mode in params.prec."""
-    from benchmarks import bench_kernels as bk
-    from model import kda
-    monkeypatch.setattr(bk, "H", 2)
-    monkeypatch.setattr(bk, "D", 16)
-    monkeypatch.setattr(bk, "gpu_ms", lambda fn, rep_ms: (fn(), 0.5)[1])
-
-    def peer(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
-        return kda.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
-
-    recs = [bk.run_case("chunk_kda", 1, 70, (peer, None, "torch"), None, 1, prec, device="cpu")
-            for prec in (None, "bf16")]
-    assert [r["params"]["prec"] for r in recs] == ["tf32", "bf16"]
-    assert all(r["verdict"] == "VALID" for r in recs), [r["reasons"] for r in recs]
-    assert all(r["results"]["ours_ms"] == r["results"]["peer_ms"] == 0.5 for r in recs)
-    assert all(0 < r["results"]["rel_err_vs_peer"] < 1e-2 for r in recs)
-    assert len(load(kinds="kernel", root=records_dir).records) == 2
-    with pytest.raises(SystemExit, match="chunk-prec"):
-        bk.main(["--ops", "chunk_kda", "--chunk-prec", "tf32,fp8"])
-    # the launch-config sweep: the default first, a config equal to it skipped, each checked against it
-    monkeypatch.setattr(bk, "D", 32)
-    monkeypatch.setattr(bk, "CHUNK_SWEEP", [{}, dict(BV=32), dict(scan_warps=4, BV=16)])
-    recs = bk.chunk_sweep(70, "bf16", 1, device="cpu")
-    assert [r["params"]["cfg"]["BV"] for r in recs] == [32, 16] and all(r["params"]["sweep"] for r in recs)
-    assert all(r["verdict"] == "VALID" and r["results"]["rel_err_vs_default"] < 1e-6 for r in recs)
-
-
 # ---- bench_kernels: MLA decode layouts ---------------------------------------------
 
 def test_mla_layout_bench_plumbing(records_dir, monkeypatch):

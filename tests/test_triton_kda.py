@@ -131,40 +131,25 @@ def run_decode(inp, **kw):
 
 # ---- chunked prefill ----------------------------------------------------------------------------
 
-# bf16 inputs: relative RMS error against fp64. One bf16 rounding is relative 2^-9 at most, 2^-9/sqrt(3)
-# = 1.1e-3 RMS; an output passes through about four in a row (the operands or stores of w/u/qw/ou, the state
-# operand, the bf16 output), 2.3e-3 in quadrature and 4.5e-3 if they all added up. Measured: up to 5e-3
-# under prec "tf32", up to 8e-3 under "bf16" (near-0 gates at K=16, the worst case); fla's outputs are held
-# to 2e-2 of ours in the benchmark.
-BF16_TOL = 1e-2
-
-
 @settings(max_examples=20)
-@example(T=1, B=1, K=16, V=16, regime="minus1000", with_state=True, dtype="fp32", prec=None, seed=0)
-@example(T=63, B=2, K=32, V=16, regime="minus5", with_state=True, dtype="fp32", prec=None, seed=1)
-@example(T=65, B=1, K=16, V=32, regime="near0", with_state=True, dtype="bf16", prec=None, seed=2)
-@example(T=130, B=1, K=32, V=32, regime="mixed", with_state=True, dtype="fp32", prec=None, seed=3)
-@example(T=130, B=2, K=32, V=32, regime="spikes", with_state=False, dtype="fp32", prec=None, seed=4)
-@example(T=1, B=1, K=16, V=16, regime="minus1000", with_state=True, dtype="bf16", prec="bf16", seed=5)
-@example(T=63, B=2, K=32, V=16, regime="minus5", with_state=True, dtype="bf16", prec="bf16", seed=6)
-@example(T=65, B=1, K=32, V=32, regime="spikes", with_state=True, dtype="bf16", prec="bf16", seed=7)
-@example(T=65, B=1, K=16, V=16, regime="near0", with_state=True, dtype="bf16", prec="bf16", seed=8)
+@example(T=1, B=1, K=16, V=16, regime="minus1000", with_state=True, dtype="fp32", seed=0)
+@example(T=63, B=2, K=32, V=16, regime="minus5", with_state=True, dtype="fp32", seed=1)
+@example(T=65, B=1, K=16, V=32, regime="near0", with_state=True, dtype="bf16", seed=2)
+@example(T=130, B=1, K=32, V=32, regime="mixed", with_state=True, dtype="fp32", seed=3)
+@example(T=130, B=2, K=32, V=32, regime="spikes", with_state=False, dtype="fp32", seed=4)
 @given(T=st.sampled_from([1, 2, 17, 63, 64, 65, 100, 128, 130]), B=st.integers(1, 2),
        K=st.sampled_from([16, 32]), V=st.sampled_from([16, 32]), regime=st.sampled_from(REGIMES),
-       with_state=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), prec=st.sampled_from([None, "bf16"]),
-       seed=st.integers(0, 2**16))
-def test_chunk_matches_torch_and_fp64(T, B, K, V, regime, with_state, dtype, prec, seed):
-    """prec None: the default of the dtype ("tf32x3" for fp32, LOW_PREC for bf16); "bf16": bf16 operands."""
+       with_state=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**16))
+def test_chunk_matches_torch_and_fp64(T, B, K, V, regime, with_state, dtype, seed):
     q, k, v, g, beta, h0 = kda_inputs(B, T, 2, K, V, regime, seed, DTYPES[dtype], with_state)
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, prec=prec)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
     assert o.dtype == v.dtype and o.shape == v.shape and ht.dtype == torch.float32
     ro, rh = kda.chunk_kda(q, k, v, g, beta, initial_state=h0)
     no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
-    if dtype == "bf16" or prec == "bf16":
-        assert_close(o, no, BF16_TOL, "o vs fp64")
-        assert_close(ht, nh, BF16_TOL, "state vs fp64")
-        assert_close(o, ro, BF16_TOL, "o vs torch chunk")
-        assert_close(ht, rh, BF16_TOL, "state vs torch chunk")
+    if dtype == "bf16":
+        assert_close(o, no, 1e-2, "o vs fp64")
+        assert_close(ht, nh, 1e-2, "state vs fp64")
+        assert_close(o, ro, 1e-2, "o vs torch chunk")
         return
     assert_close(o, no, 1e-5, "o vs fp64")
     assert_close(ht, nh, 1e-5, "state vs fp64")
@@ -172,36 +157,6 @@ def test_chunk_matches_torch_and_fp64(T, B, K, V, regime, with_state, dtype, pre
     # loses digits after a -1000 gate (about 3e-4 off fp64 for "mixed"); ours sums the spanned gates.
     assert_close(o, ro, 1e-5 + 2 * rel_err(ro, no), "o vs torch chunk")
     assert_close(ht, rh, 1e-5 + 2 * rel_err(rh, nh), "state vs torch chunk")
-
-
-def chunk_error_growth(T, K, regime, prec, device=DEV):
-    """(o error of the first chunk, o error of the last chunk, state error) against fp64, bf16 inputs."""
-    q, k, v, g, beta, h0 = kda_inputs(1, T, 1 if device == "cpu" else 32, K, K, regime, 5, torch.bfloat16,
-                                      device=device)
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, prec=prec)
-    no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
-    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
-    first, last = slice(0, 64), slice(T - 64, T)
-    return rel_err(o[:, first], no[:, first]), rel_err(o[:, last], no[:, last]), rel_err(ht, nh)
-
-
-@pytest.mark.parametrize("regime", ["near0", "model"])
-def test_chunk_bf16_error_does_not_grow_with_length(regime):
-    """16 chunks: the last chunk's output error stays within 2x the first chunk's (errors compounding over
-    the chunks would grow it ~sqrt(16) = 4x or more), the state's within 1e-2, and bf16 operands cost at
-    most 2x the tf32 mode's error (measured ~1.5x). Near-0 gates are the worst case: nothing decays."""
-    first, last, state = chunk_error_growth(1024, 16, regime, "bf16")
-    _, last_tf32, state_tf32 = chunk_error_growth(1024, 16, regime, "tf32")
-    assert last <= 2 * first and last <= BF16_TOL and state <= BF16_TOL, (first, last, state)
-    assert last <= 2 * last_tf32 and state <= 2 * state_tf32, (last, last_tf32, state, state_tf32)
-
-
-def test_chunk_rejects_an_unknown_precision_or_launch_key():
-    q, k, v, g, beta, h0 = kda_inputs(1, 3, 1, 16, 16, "model", 0)
-    with pytest.raises(ValueError, match="prec"):
-        chunk_kda_fwd(q, k, v, g, beta, prec="fp8")
-    with pytest.raises(ValueError, match="cfg"):
-        chunk_kda_fwd(q, k, v, g, beta, cfg=dict(BK=16))
 
 
 def test_chunk_empty_sequence_returns_the_initial_state():
@@ -548,22 +503,18 @@ def sm90_spills() -> dict:
         return int(usage.split("STACK:")[1].split()[0])
 
     bf, f32 = "*bf16", "*fp32"
-    out = {}
-    chunk_sig = {**dict.fromkeys("qkv", bf), "g": f32, "beta": bf, **dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf),
-                 "eglast": f32, "T": "i32", "NT": "i32", "scale": "fp32"}
-    scan_sig = {**dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf), **dict.fromkeys(["eglast", "h0", "ht"], f32),
-                "o": bf, "T": "i32", "NT": "i32"}
-    for prec in ("tf32", "bf16"):
-        dots = dict(PREC="tf32", LOWP=prec == "bf16", MMA=True)
-        out[f"prep_{prec}"] = stack_bytes(kc._kda_chunk_prep_kernel, chunk_sig,
-                                          dict(H=32, K=128, V=128, BT=kc.CHUNK, BK=kc._SLICE, LOG2_BT=kc._LOG2_CHUNK,
-                                               L2NORM=True, **dots, S_Q=3 * 32 * 128, S_K=3 * 32 * 128,
-                                               S_V=3 * 32 * 128, S_G=32 * 128), num_warps=kc.LAUNCH[prec]["prep_warps"])
-        out[f"scan_{prec}"] = stack_bytes(kc._kda_chunk_scan_kernel, scan_sig,
-                                          dict(H=32, K=128, V=128, BT=kc.CHUNK, BV=kc.LAUNCH[prec]["BV"], HAS_H0=True,
-                                               STORE_HT=True, **dots),
-                                          num_warps=kc.LAUNCH[prec]["scan_warps"], num_stages=1)
-    out.update({
+    out = {
+        "prep": stack_bytes(kc._kda_chunk_prep_kernel, {**dict.fromkeys("qkv", bf), "g": f32, "beta": bf,
+                                                    **dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf), "eglast": f32,
+                                                    "T": "i32", "NT": "i32", "scale": "fp32"},
+                            dict(H=32, K=128, V=128, BT=kc.CHUNK, BK=kc._SLICE, LOG2_BT=kc._LOG2_CHUNK,
+                                 L2NORM=True, PREC="tf32", S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128,
+                                 S_G=32 * 128), num_warps=kc._PREP_WARPS),
+        "scan": stack_bytes(kc._kda_chunk_scan_kernel, {**dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf),
+                                                    **dict.fromkeys(["eglast", "h0", "ht"], f32), "o": bf,
+                                                    "T": "i32", "NT": "i32"},
+                            dict(H=32, K=128, V=128, BT=kc.CHUNK, BV=kc._BV, HAS_H0=True, STORE_HT=True,
+                                 PREC="tf32"), num_warps=kc._SCAN_WARPS, num_stages=1),
         "decode": stack_bytes(kd._kda_decode_kernel, {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf),
                                                   "A_log": f32, "dt_bias": f32, "b_raw": bf, "state": f32, "o": bf,
                                                   "out_gate": bf, "norm_w": bf, "arrivals": "*i32", "scale": "fp32",
@@ -574,7 +525,7 @@ def sm90_spills() -> dict:
                                                  "N": "i32", "stride_x": "i32",
                                                  "eps": "fp32"},
                             dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False), num_warps=8),
-    })
+    }
     from model.triton import moe
     I, D, K = 1024, 2304, 8
     gu, dn, ro = moe.GATE_UP, moe.DOWN, moe.ROUTER
@@ -698,9 +649,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["mla_split_short"] == spills["mla_split_short_step64"] == spills["mla_split_short_long"] == 0, spills
     assert spills["mla_split_short_fp32"] == 0 and spills["mla_cache_append"] == 0, spills
     # measured trade-offs, see model/triton/kda_chunk.py: the 4-warp prep spills and is still the fastest
-    # (sm_90 here: 384 B under "tf32", 344 B under "bf16"; the scan 0 B in both)
-    assert spills["scan_tf32"] <= 16 and spills["prep_tf32"] <= 1280, spills
-    assert spills["scan_bf16"] <= 16 and spills["prep_bf16"] <= 1280, spills
+    assert spills["scan"] <= 16 and spills["prep"] <= 1280, spills
     assert spills["moe_router"] == 0, spills
     assert spills["conv"] == 0 and spills["moe_combine"] == 0, spills
     assert spills["silu_mul"] == 0 and spills["kda_gate"] == 0, spills
@@ -719,14 +668,14 @@ def no_tf32():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("dtype,prec", [("fp32", None), ("bf16", None), ("bf16", "tf32"), ("bf16", "bf16")])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 63), (1, 64), (1, 65), (1, 1000), (1, 8192), (1, 65536), (4, 2048),
                                  (64, 65)])
-def test_gpu_chunk_real_shapes(B, T, dtype, prec, no_tf32):
+def test_gpu_chunk_real_shapes(B, T, dtype, no_tf32):
     q, k, v, g, beta, h0 = kda_inputs(B, T, 32, 128, 128, "model", T, DTYPES[dtype])
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, prec=prec)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
     ro, rh = kda.chunk_kda(q, k, v, g, beta, initial_state=h0)
-    tol = 1e-4 if dtype == "fp32" else BF16_TOL
+    tol = 1e-4 if dtype == "fp32" else 1e-2
     assert_close(o, ro, tol, "o vs torch chunk")
     assert_close(ht, rh, tol, "state vs torch chunk")
     if B * T <= 8192:
@@ -744,19 +693,6 @@ def test_gpu_chunk_saturated_gates(regime):
     no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
     assert_close(o, no, 1e-4, "o vs fp64")
     assert_close(ht, nh, 1e-4, "state vs fp64")
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("regime", ["near0", "minus5", "model"])
-def test_gpu_chunk_bf16_error_does_not_grow_with_length(regime, no_tf32):
-    """As the CPU test, at the model's shapes (32 heads of 128) and 512 chunks: errors compounding over the
-    chunks would grow the last chunk's ~sqrt(512) = 23x over the first's; 3x leaves room for the state's
-    own change over the sequence (the tf32 mode's error grew 1.4x over 32 chunks on the CPU)."""
-    first, last, state = chunk_error_growth(32768, 128, regime, "bf16")
-    _, last_tf32, state_tf32 = chunk_error_growth(32768, 128, regime, "tf32")
-    assert last <= 3 * first and last <= BF16_TOL and state <= BF16_TOL, (first, last, state)
-    assert last <= 2 * last_tf32 and state <= 2 * state_tf32, (last, last_tf32, state, state_tf32)
 
 
 @pytest.mark.gpu

@@ -5,8 +5,8 @@ Two kernels, both per (batch, head):
 1. `_kda_chunk_prep_kernel`, one program per chunk of BT=64 tokens, all chunks in parallel. It does
    everything that does not need the state: q/k L2 norm, the intra-chunk matrices Akk/Aqk with their
    pairwise decays, the UT-transform solve T = (I + Akk)^-1, and folds the results into five per-chunk
-   operands of the state recurrence ([B*H, NT*BT, D] so a chunk is one contiguous slab; fp32 under
-   prec "tf32x3" (fp32 inputs), else bf16, see "Precision" below):
+   operands of the state recurrence ([B*H, NT*BT, D] so a chunk is one contiguous slab; fp32 for fp32
+   inputs, bf16 for bf16/fp16 inputs, see "Precision" below):
        w  = T (beta k e^G)            u  = T (beta v)              (G: cumulative log decay in the chunk)
        qw = q e^G - Aqk w             ou = Aqk u
        kd = k e^(G_last - G)          eglast = e^G_last
@@ -16,27 +16,13 @@ Two kernels, both per (batch, head):
 
 Precision. Decays are only ever formed as exp of a non-positive sum of the gates a span covers (see
 `_level_pairs`), never as a difference of long prefix sums, so gates near 0, at -5 or at -1000 neither
-overflow nor lose digits. Matmuls run on tensor cores with fp32 accumulators; `prec` picks the operands:
-- "tf32x3" (fp32 inputs): fp32 operands, about fp32 accuracy; w, qw, kd, u, ou stored fp32.
-- "tf32" (bf16/fp16 inputs by default, LOW_PREC): fp32 operands rounded to tf32. Two roundings are added,
-  each far below what the inputs already carry (bf16: relative 2^-9):
-  - the span sums of gates are one tf32 dot: each gate rounded to relative 2^-11, all terms of one sign,
-    so a span sum E <= 0 is off by at most 2^-11 |E| and its decay e^E by at most 2^-11 |E| e^E
-    <= 2^-11 / e = 1.8e-4 (absolute, for a factor <= 1);
-  - w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32.
-- "bf16": as "tf32", but every dot other than the gate span sums and the inverse's takes bf16 operands,
-  as fla's do, the MMA at twice the tf32 rate on half the registers and shared memory: in the prep kernel
-  the level dots of Akk and Aqk, w = T (beta k e^G), u = T (beta v), Aqk w and Aqk u (T and Aqk rounded to
-  bf16 once complete); in the scan kernel w S, qw S (S rounded to bf16 for these two products; the fp32
-  state itself carries on) and kd^T v_new (v_new rounded). Each rounding is relative 2^-9, the size of the
-  bf16 stores', and enters the state once, through one chunk's update, after which the same recurrence
-  that carries the state carries it (decays <= 1, I - beta k k^T with |k| = 1 and 0 <= beta <= 1: no
-  growth), so errors do not compound over the chunks (tests/test_triton_kda.py holds a long T's error to
-  a short T's). Akk's operand rounding goes through the inverse, T + dT = T - T dA T; T is benign here
-  (the chunk's delta-rule product, a contraction) and fla rounds T itself to bf16: on the CPU test inputs,
-  Akk's level dots in bf16 against tf32 moved the errors by -30% to +13%, most by under 5% (the -30%:
-  identical keys with beta = 1, where bf16 Akk happened to round in T's favour). The span sums stay tf32
-  because fla keeps gates fp32, and the inverse's six doubling steps stay tf32 as fla's solve stays fp32.
+overflow nor lose digits. Matmuls run on tensor cores with fp32 operands: `tf32x3` (about fp32
+accuracy) for fp32 inputs, `tf32` for bf16/fp16 inputs. For bf16/fp16 inputs two roundings are added,
+each far below what the inputs already carry (bf16: relative 2^-9):
+- the span sums of gates are one tf32 dot: each gate rounded to relative 2^-11, all terms of one sign,
+  so a span sum E <= 0 is off by at most 2^-11 |E| and its decay e^E by at most 2^-11 |E| e^E
+  <= 2^-11 / e = 1.8e-4 (absolute, for a factor <= 1);
+- w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32.
 Tiles and warps were picked by timing on the H200 (T=8192, 32 heads of 128, bf16): the prep kernel at
 64-column slices and 4 warps took 1.39 ms against 1.91 ms at 8 warps, though at 4 warps it spills about
 1.2 KB per thread (264 B at 8 warps); the scan kernel spills 16 B. tests/test_triton_kda.py bounds both
@@ -53,14 +39,9 @@ import model.triton as mt
 CHUNK = 64
 _LOG2_CHUNK = 6
 _SLICE = 64  # columns of q, k, g, v the prep kernel holds at a time
-# Dot precision of bf16/fp16 inputs (see "Precision" in the module docstring): "tf32" (fp32 operands) or
-# "bf16" (bf16 operands but for the gate span sums and the inverse). fp32 inputs take "tf32x3" by default.
-LOW_PREC = "tf32"
-PRECS = ("tf32x3", "tf32", "bf16")
-# Launch config by precision mode: warps of the prep kernel, warps of the scan kernel and its state columns
-# per program (BV). Timed for "tf32" (module docstring: 4 prep warps beat 8 although they spill more); the
-# others start from it. chunk_kda_fwd(cfg=...) overrides keys (`bench_kernels --chunk-sweep` times a grid).
-LAUNCH = {prec: dict(prep_warps=4, scan_warps=8, BV=32) for prec in PRECS}
+_BV = 32     # state columns per scan program
+_PREP_WARPS = 4  # see the module docstring: faster than 8 although it spills more
+_SCAN_WARPS = 8
 
 
 @triton.jit
@@ -82,36 +63,7 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _operand(x, LOWP: tl.constexpr, MMA: tl.constexpr):
-    """x as a `_dot` operand: with LOWP rounded to bf16 (to nearest even), bf16 for the MMA, the same
-    values as fp32 for the interpreter; else x. Rounding once lets a reused operand skip the cast."""
-    if LOWP:
-        if MMA:
-            return x.to(tl.bfloat16)
-        else:
-            return _rounded(x.to(tl.float32), tl.bfloat16).to(tl.float32)
-    else:
-        return x
-
-
-@triton.jit
-def _dot(a, b, PREC: tl.constexpr, LOWP: tl.constexpr, MMA: tl.constexpr):
-    """a @ b with an fp32 accumulator. LOWP: both operands rounded to bf16 (their products are exact in
-    fp32; the MMA runs at twice the tf32 rate on half the registers); MMA=False, Triton's interpreter,
-    whose bf16 tl.dot is wrong in 3.6, dots the same bf16 values in fp32 IEEE: the same exact-product
-    sum. Else fp32 operands at PREC."""
-    if LOWP:
-        if MMA:
-            return tl.dot(_operand(a, LOWP, MMA), _operand(b, LOWP, MMA))
-        else:
-            return tl.dot(_operand(a, LOWP, MMA), _operand(b, LOWP, MMA), input_precision="ieee")
-    else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
-
-
-@triton.jit
-def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-                 MMA: tl.constexpr):
+def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
     """Partial sums (over this K slice) of sum_c k_t k_s exp(G_t - G_s) and the same with q_t, for the
     pairs (t, s) with t in the upper and s in the lower half of one 2*half-block of rows; zero elsewhere.
 
@@ -119,8 +71,7 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr, LOWP
     both factors <= 1, one per row, so the pairs of a level are one tl.dot. Each exponent is the sum of
     the gates it spans, taken as a 0/1-masked product with g (PREC: tf32x3 is fp32-accurate, tf32 is
     bounded in the module docstring; a -1000 gate outside the span contributes an exact 0), never as a
-    difference of long prefix sums, which would lose its low digits after a gate of -1000. The pair
-    dots take bf16 operands with LOWP (see "Precision" in the module docstring).
+    difference of long prefix sums, which would lose its low digits after a gate of -1000.
     """
     r = tl.arange(0, BT)
     c = tl.arange(0, BT)
@@ -130,10 +81,10 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr, LOWP
     decay = tl.exp(tl.dot(spans.to(tl.float32), g_s, input_precision=PREC))
     k_row = tl.where(upper[:, None], k_s * decay, 0.)
     q_row = tl.where(upper[:, None], q_s * decay, 0.)
-    k_col = _operand(tl.trans(tl.where(upper[:, None], 0., k_s * decay)), LOWP, MMA)
+    k_col = tl.trans(tl.where(upper[:, None], 0., k_s * decay))
     pair = (r[:, None] // (2 * half)) == (c[None, :] // (2 * half))
-    A_kk = tl.where(pair, _dot(k_row, k_col, PREC, LOWP, MMA), 0.)
-    A_qk = tl.where(pair, _dot(q_row, k_col, PREC, LOWP, MMA), 0.)
+    A_kk = tl.where(pair, tl.dot(k_row, k_col, input_precision=PREC), 0.)
+    A_qk = tl.where(pair, tl.dot(q_row, k_col, input_precision=PREC), 0.)
     return A_kk, A_qk
 
 
@@ -141,7 +92,6 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr, LOWP
 def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                        LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
-                       LOWP: tl.constexpr, MMA: tl.constexpr,
                        S_Q: tl.constexpr, S_K: tl.constexpr, S_V: tl.constexpr, S_G: tl.constexpr):
     """Per-chunk, state-free part of chunked KDA. Grid (NT, B*H); one program = one chunk of one head.
 
@@ -199,7 +149,7 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK) * f_k[:, None]
         g_s = _load_rows(g0 + kk, n_live, 0, S_G, BT, BK)
         for lvl in range(LOG2_BT):  # a loop, not unrolled: one level's tiles live at a time
-            A_kk, A_qk = _level_pairs(q_s, k_s, g_s, 1 << lvl, BT, PREC, LOWP, MMA)
+            A_kk, A_qk = _level_pairs(q_s, k_s, g_s, 1 << lvl, BT, PREC)
             Akk += A_kk
             Aqk += A_qk
         Aqk += tl.where(r[:, None] == c[None, :], tl.sum(q_s * k_s, axis=1)[:, None], 0.)
@@ -211,35 +161,33 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         coupling = (r[:, None] // (2 * half) == c[None, :] // (2 * half)) & (r[:, None] // half != c[None, :] // half)
         L = tl.where(coupling, Akk, 0.)
         Tm = Tm - tl.dot(tl.dot(Tm, L, input_precision=PREC), Tm, input_precision=PREC)
-    Tm = _operand(Tm, LOWP, MMA)  # from here on only a multiplier: bf16 with LOWP, rounded once
-    Aqk = _operand(Aqk, LOWP, MMA)
 
     for kk in range(0, K, BK):
         q_s = _load_rows(q0 + kk, n_live, 0, S_Q, BT, BK) * f_q[:, None]
         k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK) * f_k[:, None]
         G = tl.cumsum(_load_rows(g0 + kk, n_live, 0, S_G, BT, BK), axis=0)  # g_1 + ... + g_t
         e_G = tl.exp(G)
-        b_w = _dot(Tm, k_s * (b_beta[:, None] * e_G), PREC, LOWP, MMA)
+        b_w = tl.dot(Tm, k_s * (b_beta[:, None] * e_G), input_precision=PREC)
         out = r[:, None] * K + kk + cb[None, :]
         tl.store(w + slab * K + out, _rounded(b_w, w.dtype.element_ty))
-        tl.store(qw + slab * K + out, _rounded(q_s * e_G - _dot(Aqk, b_w, PREC, LOWP, MMA), qw.dtype.element_ty))
+        tl.store(qw + slab * K + out, _rounded(q_s * e_G - tl.dot(Aqk, b_w, input_precision=PREC), qw.dtype.element_ty))
         # g_{t+1} + ... + g_last, summed from the end (not G_last - G_t)
         to_end = tl.cumsum(_load_rows(g0 + kk, n_live, 1, S_G, BT, BK), axis=0, reverse=True)
         tl.store(kd + slab * K + out, _rounded(k_s * tl.exp(to_end), kd.dtype.element_ty))
         G_last = tl.sum(tl.where((r == BT - 1)[:, None], G, 0.), axis=0)  # padded rows add g = 0
         tl.store(eglast + (i_bh.to(tl.int64) * NT + i_t) * K + kk + cb, tl.exp(G_last))
     for vv in range(0, V, BK):
-        b_u = _dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None], PREC, LOWP, MMA)
+        b_u = tl.dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None],
+                     input_precision=PREC)
         out = r[:, None] * V + vv + cb[None, :]
         tl.store(u + slab * V + out, _rounded(b_u, u.dtype.element_ty))
-        tl.store(ou + slab * V + out, _rounded(_dot(Aqk, b_u, PREC, LOWP, MMA), ou.dtype.element_ty))
+        tl.store(ou + slab * V + out, _rounded(tl.dot(Aqk, b_u, input_precision=PREC), ou.dtype.element_ty))
 
 
 @triton.jit
 def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                       BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
-                       LOWP: tl.constexpr, MMA: tl.constexpr):
+                       BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
     """Inter-chunk recurrence and output. Grid (V // BV, B*H); one program = one head's V-block.
 
     The fp32 state block S [K, BV] stays in registers while the program walks the NT chunks in order;
@@ -266,7 +214,7 @@ def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
     # are loop-carried, which measured faster and spills less than loading at the top of the body.
     # A while loop: Triton 3.6's interpreter cannot iterate range() over a runtime bound (NumPy >= 2.4).
     slab = i_bh.to(tl.int64) * NT * BT
-    b_w = tl.load(w + slab * K + k_off)  # fp32 or bf16, as `_dot` takes it
+    b_w = tl.load(w + slab * K + k_off)  # fp32 or bf16, widened where used
     b_qw = tl.load(qw + slab * K + k_off)
     b_kd = tl.load(kd + slab * K + k_off)
     b_u = tl.load(u + slab * V + v_off)
@@ -274,13 +222,12 @@ def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
     b_eg = tl.load(eglast + i_bh.to(tl.int64) * NT * K + ck)
     n = 0
     while n < NT:
-        S_op = _operand(S, LOWP, MMA)  # bf16 with LOWP: the fp32 state itself carries on
-        v_new = b_u.to(tl.float32) - _dot(b_w, S_op, PREC, LOWP, MMA)
-        b_o = b_ou.to(tl.float32) + _dot(b_qw, S_op, PREC, LOWP, MMA)
+        v_new = b_u.to(tl.float32) - tl.dot(b_w.to(tl.float32), S, input_precision=PREC)
+        b_o = b_ou.to(tl.float32) + tl.dot(b_qw.to(tl.float32), S, input_precision=PREC)
         t = n * BT + r
         p_o = o + ((i_b.to(tl.int64) * T + n * BT) * H + i_h) * V + r[:, None] * (H * V) + cv[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
-        S = S * b_eg[:, None] + _dot(tl.trans(b_kd), v_new, PREC, LOWP, MMA)
+        S = S * b_eg[:, None] + tl.dot(tl.trans(b_kd.to(tl.float32)), v_new, input_precision=PREC)
         nxt = tl.minimum(n + 1, NT - 1)
         slab = (i_bh.to(tl.int64) * NT + nxt) * BT
         b_w = tl.load(w + slab * K + k_off)
@@ -310,18 +257,12 @@ def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.contiguous(), H * D
 
 
-def _compiled() -> bool:
-    return type(_kda_chunk_scan_kernel).__name__ != "InterpretedFunction"
-
-
-def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, l2norm_qk=True,
-                  prec=None, cfg: dict | None = None):
+def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, l2norm_qk=True):
     """Chunked KDA forward; same layout and meaning as `model.kda.chunk_kda`.
 
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H] (float dtypes; g is the log decay, <= 0);
     initial_state [B, H, K, V] (cast to fp32) or None. Any T >= 0. q and k are L2-normalised inside
-    when l2norm_qk; scale defaults to K^-0.5. prec: one of PRECS (see "Precision" in the module docstring);
-    None takes "tf32x3" when any of q, k, v is fp32, else LOW_PREC. cfg: keys of LAUNCH[prec] to override.
+    when l2norm_qk; scale defaults to K^-0.5.
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32, or None when not asked for).
     """
     if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
@@ -343,10 +284,6 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         raise ValueError(f"chunk_kda_fwd: initial_state must be [B, H, K, V] = {(B, H, K, V)}, "
                          f"got {tuple(initial_state.shape)}")
-    if prec is not None and prec not in PRECS:
-        raise ValueError(f"chunk_kda_fwd: prec must be one of {PRECS} or None, got {prec!r}")
-    if cfg is not None and set(cfg) - set(LAUNCH[LOW_PREC]):
-        raise ValueError(f"chunk_kda_fwd: cfg keys must be among {sorted(LAUNCH[LOW_PREC])}, got {sorted(cfg)}")
     mt.require_runnable(_kda_chunk_prep_kernel, q.device)
     scale = K ** -0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.to(device=q.device, dtype=torch.float32).contiguous()
@@ -363,22 +300,17 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     beta = beta.contiguous()
     NT = triton.cdiv(T, CHUNK)
     BH, dev = B * H, q.device
-    if prec is None:  # see "Precision" in the module docstring
-        prec = "tf32x3" if torch.float32 in (q.dtype, k.dtype, v.dtype) else LOW_PREC
-    store = torch.float32 if prec == "tf32x3" else torch.bfloat16
-    # the precision of the fp32-operand dots, and whether the others take bf16 operands
-    dots = dict(PREC="tf32" if prec == "bf16" else prec, LOWP=prec == "bf16", MMA=_compiled())
-    launch = {**LAUNCH[prec], **(cfg or {})}
+    exact = torch.float32 in (q.dtype, k.dtype, v.dtype)  # see "Precision" in the module docstring
+    prec, store = ("tf32x3", torch.float32) if exact else ("tf32", torch.bfloat16)
     w, qw, kd = (mt.empty(BH, NT * CHUNK, K, dtype=store, device=dev) for _ in range(3))
     u, ou = (mt.empty(BH, NT * CHUNK, V, dtype=store, device=dev) for _ in range(2))
     eglast = mt.empty(BH, NT, K, dtype=torch.float32, device=dev)
     _kda_chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
                                      H=H, K=K, V=V, BT=CHUNK, BK=min(_SLICE, K, V), LOG2_BT=_LOG2_CHUNK,
-                                     L2NORM=bool(l2norm_qk), **dots, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
-                                     num_warps=launch["prep_warps"])
-    BV = min(V, launch["BV"])
+                                     L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
+                                     num_warps=_PREP_WARPS)
+    BV = min(V, _BV)
     _kda_chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                                           H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None,
-                                          STORE_HT=ht is not None, **dots, num_warps=launch["scan_warps"],
-                                          num_stages=1)
+                                          STORE_HT=ht is not None, PREC=prec, num_warps=_SCAN_WARPS, num_stages=1)
     return o, ht
