@@ -155,10 +155,11 @@ def test_hf_peer_wraps_the_packed_tensors(tiny):
         assert rel_err(tiny(ids), hf(ids).logits.float()) <= 1e-5
 
 
-def test_pack_refuses_mixed_dtypes(state):
+@pytest.mark.parametrize("kind,proj", [("kda", "b_proj"), ("mla", "q_proj")])
+def test_pack_refuses_mixed_dtypes(state, kind, proj):
     m = from_state_dict(CFG, {n: t.clone() for n, t in state.items()})
-    a = kda_layers(m)[0][1]
-    a.b_proj.weight = torch.nn.Parameter(a.b_proj.weight.double(), requires_grad=False)
+    a = (kda_layers if kind == "kda" else mla_layers)(m)[0][1]
+    a.get_submodule(proj).weight = torch.nn.Parameter(a.get_submodule(proj).weight.double(), requires_grad=False)
     with pytest.raises(TypeError, match="one dtype"):
         a.pack_()
 
@@ -206,11 +207,3 @@ def test_mla_packed_equals_unpacked(tiny):
         MultiLatentAttention._project = packed
     assert rel_err(got_rec, ref_rec) < 1e-6 and got_inc.tokens == ref_inc.tokens
     assert max(rel_err(a, b) for a, b in zip(got_inc.logits, ref_inc.logits)) < 1e-6
-
-
-def test_mla_pack_refuses_mixed_dtypes(state):
-    m = from_state_dict(CFG, {n: t.clone() for n, t in state.items()})
-    a = mla_layers(m)[0][1]
-    a.q_proj.weight = torch.nn.Parameter(a.q_proj.weight.double(), requires_grad=False)
-    with pytest.raises(TypeError, match="one dtype"):
-        a.pack_()
