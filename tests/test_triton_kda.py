@@ -28,7 +28,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import (  # noqa: E402
 import model.triton as mt  # noqa: E402
 from model import kda  # noqa: E402
 from model.triton.kda_chunk import chunk_kda_fwd  # noqa: E402
-from model.triton.kda_decode import fused_kda_decode  # noqa: E402
+from model.triton.kda_decode import GRIDS, fused_kda_decode  # noqa: E402
 from model.triton.norms import add_rmsnorm, gated_rmsnorm, rmsnorm  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 
@@ -265,12 +265,13 @@ def test_prefill_then_decode_equals_one_recurrence():
 
 @given(B=st.sampled_from([1, 2, 5]), H=st.integers(1, 2), d=st.sampled_from([16, 32, 64]), W=st.integers(2, 4),
        dtype=st.sampled_from(sorted(DTYPES)), A_shift=st.sampled_from([-6.0, 0.0, 7.0]),
-       seed=st.integers(0, 2**16))
-def test_decode_matches_reference_composition(B, H, d, W, dtype, A_shift, seed):
-    """A_shift 7 puts g near -1000 for most channels, -6 near 0."""
+       grid=st.sampled_from(GRIDS), BV=st.sampled_from([8, 16, 32]), seed=st.integers(0, 2**16))
+def test_decode_matches_reference_composition(B, H, d, W, dtype, A_shift, grid, BV, seed):
+    """A_shift 7 puts g near -1000 for most channels, -6 near 0. Every grid, with one to eight column
+    blocks per head."""
     inp = decode_inputs(B, H, d, W, DTYPES[dtype], seed, A_shift)
     ro, rstate, rtaps = decode_reference(inp, H, d)
-    o, state, taps = run_decode(inp)
+    o, state, taps = run_decode(inp, cfg=dict(grid=grid, BV=BV))
     assert o.dtype == inp["qkv_raw"].dtype and o.shape == (B, H, d)
     assert torch.equal(taps, rtaps)
     tol = 1e-5 if dtype == "fp32" else 1e-2
@@ -279,15 +280,16 @@ def test_decode_matches_reference_composition(B, H, d, W, dtype, A_shift, seed):
 
 
 @given(B=st.sampled_from([1, 3]), d=st.sampled_from([16, 32, 128]), dtype=st.sampled_from(sorted(DTYPES)),
-       seed=st.integers(0, 2**16))
-def test_decode_fused_output_norm(B, d, dtype, seed):
+       grid=st.sampled_from(GRIDS), seed=st.integers(0, 2**16))
+def test_decode_fused_output_norm(B, d, dtype, grid, seed):
     H = 2
     inp = decode_inputs(B, H, d, 4, DTYPES[dtype], seed)
     gen = torch.Generator().manual_seed(seed + 1)
     gate = torch.randn(B, H * d, generator=gen).to(DTYPES[dtype]).to(DEV)
     weight = torch.randn(d, generator=gen).to(DEV)
-    normed, state, _ = run_decode(inp, out_gate=gate, norm_weight=weight, norm_eps=1e-5)
-    o, state_unfused, _ = run_decode(inp)
+    cfg = dict(grid=grid, BV=16)
+    normed, state, _ = run_decode(inp, out_gate=gate, norm_weight=weight, norm_eps=1e-5, cfg=cfg)
+    o, state_unfused, _ = run_decode(inp, cfg=cfg)
     assert torch.equal(state, state_unfused)
     unfused = gated_rmsnorm(o, gate.view(B, H, d), weight, 1e-5)
     assert_close(normed, unfused, 1e-6 if dtype == "fp32" else 1e-2, "fused vs unfused norm")
@@ -298,7 +300,8 @@ def test_decode_fused_output_norm(B, d, dtype, seed):
 
 def test_decode_batch_64():
     """From batch 16 on the state is cut into blocks of 16 columns (two per head here): same result as one
-    32-column block, with the fused norm finished by the head's last block."""
+    32-column block, with the fused norm finished by the head's last block; and as four 8-column blocks
+    in each grid."""
     from model.triton.kda_decode import DECODE_LARGE, LARGE_BATCH
     assert 64 >= LARGE_BATCH and DECODE_LARGE["BV"] == 16
     inp = decode_inputs(64, 1, 32, 4, torch.float32, 9)
@@ -309,10 +312,21 @@ def test_decode_batch_64():
     assert_close(state, rstate, 1e-5, "state")
     gen = torch.Generator().manual_seed(10)
     norm = dict(out_gate=torch.randn(64, 32, generator=gen).to(DEV), norm_weight=torch.randn(32, generator=gen).to(DEV))
-    blocks, state16, _ = run_decode(inp, **norm)
+    blocks, state16, taps16 = run_decode(inp, **norm)
     whole, state32, _ = run_decode(inp, **norm, cfg=dict(BV=32))
     assert torch.equal(state16, state32)
     assert_close(blocks, whole, 1e-6, "16- vs 32-column blocks")
+    for grid in GRIDS:  # the blocks of a head far apart, adjacent, or walked by one program: the same step
+        o_grid, state_grid, taps_grid = run_decode(inp, **norm, cfg=dict(grid=grid, BV=8))
+        assert torch.equal(taps_grid, taps16), grid
+        assert_close(state_grid, state16, 1e-6, f"{grid} grid: state")
+        assert_close(o_grid, blocks, 1e-6, f"{grid} grid: o")
+
+
+def test_decode_rejects_an_unknown_grid():
+    inp = decode_inputs(1, 1, 16, 4, torch.float32, 0)
+    with pytest.raises(ValueError, match="grid must be one of"):
+        run_decode(inp, cfg=dict(grid="diagonal"))
 
 
 # ---- norms --------------------------------------------------------------------------------------
@@ -503,6 +517,8 @@ def sm90_spills() -> dict:
         return int(usage.split("STACK:")[1].split()[0])
 
     bf, f32 = "*bf16", "*fp32"
+    decode_sig = {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf), "A_log": f32, "dt_bias": f32, "b_raw": bf,
+                  "state": f32, "o": bf, "out_gate": bf, "norm_w": bf}
     out = {
         "prep": stack_bytes(kc._kda_chunk_prep_kernel, {**dict.fromkeys("qkv", bf), "g": f32, "beta": bf,
                                                     **dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf), "eglast": f32,
@@ -515,17 +531,24 @@ def sm90_spills() -> dict:
                                                     "T": "i32", "NT": "i32"},
                             dict(H=32, K=128, V=128, BT=kc.CHUNK, BV=kc._BV, HAS_H0=True, STORE_HT=True,
                                  PREC="tf32"), num_warps=kc._SCAN_WARPS, num_stages=1),
-        "decode": stack_bytes(kd._kda_decode_kernel, {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf),
-                                                  "A_log": f32, "dt_bias": f32, "b_raw": bf, "state": f32, "o": bf,
-                                                  "out_gate": bf, "norm_w": bf, "arrivals": "*i32", "scale": "fp32",
-                                                  "eps": "fp32"},
-                              dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True),
+        "decode": stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32",
+                                                      "eps": "fp32"},
+                              dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False),
                               num_warps=kd.DECODE["num_warps"]),
         "norm": stack_bytes(nm._rmsnorm_kernel, {**dict.fromkeys(["x", "res", "gate", "weight", "y", "res_out"], bf),
                                                  "N": "i32", "stride_x": "i32",
                                                  "eps": "fp32"},
                             dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False), num_warps=8),
     }
+    # the other decode grids at the configs of bench_kernels' DECODE_SWEEP: the largest spill of each
+    out["decode_adjacent"] = max(
+        stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
+                    dict(H=32, D=128, W=4, WP=4, BV=bv, HAS_NORM=True, ADJACENT=True), num_warps=nw)
+        for bv, nw in ((8, 2), (16, 4), (32, 4)))
+    out["decode_head"] = max(
+        stack_bytes(kd._kda_decode_head_kernel, {**decode_sig, "scale": "fp32", "eps": "fp32"},
+                    dict(H=32, D=128, W=4, WP=4, BV=bv, HAS_NORM=True), num_warps=nw)
+        for bv, nw in ((8, 2), (8, 4), (16, 4), (16, 8), (32, 8), (32, 16)))
     from model.triton import moe
     I, D, K = 1024, 2304, 8
     gu, dn, ro = moe.GATE_UP, moe.DOWN, moe.ROUTER
@@ -643,6 +666,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["control"] == 0 and spills["broken"] is None, "the compile check cannot tell good from bad"
     assert spills["smem_guard"] == "caught", spills["smem_guard"]
     assert spills["decode"] == 0 and spills["norm"] == 0, spills
+    assert spills["decode_adjacent"] == 0 and spills["decode_head"] == 0, spills
     assert spills["moe_gate_up"] == 0 and spills["moe_down"] == 0 and spills["moe_route"] == 0, spills
     assert spills["mla_split"] == 0 and spills["mla_combine"] == 0 and spills["mla_absorb"] == 0, spills
     assert spills["mla_split_fp32"] == 0 and spills["mla_split_min"] == 0, spills
@@ -699,9 +723,13 @@ def test_gpu_chunk_saturated_gates(regime):
 @gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B", [1, 8, 64])
-def test_gpu_decode_real_shapes(B, dtype, no_tf32):
-    """Several steps in a row at 32 heads x 128 (4 state blocks per head, finished by whichever block
-    comes last): every step's o, state and taps against the composition of the torch references."""
+@pytest.mark.parametrize("cfg", [None, dict(grid="adjacent", BV=16, num_warps=4),
+                                 dict(grid="head", BV=16, num_warps=4), dict(grid="head", BV=32, num_warps=8)],
+                         ids=["default", "adjacent", "head16", "head32"])
+def test_gpu_decode_real_shapes(B, dtype, cfg, no_tf32):
+    """Several steps in a row at 32 heads x 128 (several state blocks per head, finished by whichever
+    block comes last, or walked by one program): every step's o, state and taps against the composition
+    of the torch references."""
     inp = decode_inputs(B, 32, 128, 4, DTYPES[dtype], B)
     gen = torch.Generator().manual_seed(B)
     gate = torch.randn(B, 32 * 128, generator=gen).to(DTYPES[dtype]).cuda()
@@ -711,7 +739,7 @@ def test_gpu_decode_real_shapes(B, dtype, no_tf32):
     for step in range(4):
         inp = {**inp, "qkv_raw": torch.randn_like(inp["qkv_raw"]), "state": state, "conv_taps": taps}
         ro, rstate, rtaps = decode_reference(inp, 32, 128)
-        normed, got_state, got_taps = run_decode(inp, out_gate=gate, norm_weight=weight)
+        normed, got_state, got_taps = run_decode(inp, out_gate=gate, norm_weight=weight, cfg=cfg)
         assert torch.equal(got_taps, rtaps), f"step {step}: conv taps"
         assert_close(got_state, rstate, tol, f"step {step}: state")
         ref = hf_norm(KimiLinearRMSNormGated, 128, weight)(ro.to(normed.dtype), gate.view(B, 32, 128))

@@ -1,8 +1,16 @@
 """One KDA decode step in one Triton launch: the fast twin of composing `model.kda.causal_conv1d`,
 `kda_gate`, sigmoid and `recurrent_kda_step` (and, optionally, the gated output RMSNorm).
 
-One program per (sequence, head, block of 32 state columns; 16 from batch 16 on): at batch 1 that is 128
-programs, each moving 16 KB of fp32 state in and out.
+Two kernels, picked by the config's `grid`:
+- "strided" and "adjacent": one program per (sequence, head, block of BV state columns), the head's last
+  block to finish shifting the q/k conv taps and normalising o (at batch 1 and BV=32: 128 programs, each
+  moving 16 KB of fp32 state in and out). "strided" numbers the programs head-fastest, so the D/BV blocks of
+  one head's state run B*H programs apart (at batch 64, in different waves: each reads 4*BV bytes of every
+  512-byte row while the rest of the row waits for a later wave); "adjacent" numbers them block-fastest, so a
+  head's blocks run together and read its 64 KB of state as one region (fla's fused_recurrent grid order).
+- "head": one program per (sequence, head), walking the head's column blocks with the next block's load in
+  flight during the current block's update: the conv, L2 norms and gate once per head instead of once per
+  block, and no arrival counter (no atomics, no waiting on the last block).
 """
 from __future__ import annotations
 
@@ -17,10 +25,11 @@ import model.triton as mt
 # `bench_kernels --ops kda_decode_step --decode-sweep` (run of e4977e1): 32 columns up to batch 8 (B=1: 7.1 us
 # `11880e09`, 16 columns 7.3 us `9f9fb6a0`; B=8: 21.0 us `5fdaad58` against 22.4 us `9780df3b`), 16 columns from
 # LARGE_BATCH on (B=64: 133.9 us `096a1285` against 147.6 us `246945f2`). The sweep measured batches 1, 8 and 64
-# only: the switch at 16 is a guess between them.
-DECODE = dict(BV=32, num_warps=4)
-DECODE_LARGE = dict(BV=16, num_warps=4)
+# only: the switch at 16 is a guess between them. Both with the "strided" grid, the only one measured then.
+DECODE = dict(BV=32, num_warps=4, grid="strided")
+DECODE_LARGE = dict(BV=16, num_warps=4, grid="strided")
 LARGE_BATCH = 16
+GRIDS = ("strided", "adjacent", "head")  # see the module docstring
 
 
 def decode_config(B: int) -> dict:
@@ -86,10 +95,38 @@ def _gated_norm_row(p_o, p_gate, norm_w, eps, D: tl.constexpr):
 
 
 @triton.jit
+def _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h,
+                 H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """What every column block of head i_h of sequence i_b needs: q = l2norm(silu(conv q)) * scale,
+    k = l2norm(silu(conv k)), the decay exp(g) ([D] each) and beta."""
+    cd = tl.arange(0, D)
+    C: tl.constexpr = 3 * H * D
+    b_q = _short_conv(qkv, taps, conv_w, i_b, i_h * D + cd, C, W, WP)
+    b_k = _short_conv(qkv, taps, conv_w, i_b, (H + i_h) * D + cd, C, W, WP)
+    hd = i_b.to(tl.int64) * H * D + i_h * D
+    b_f = tl.load(f + hd + cd).to(tl.float32) + tl.load(dt_bias + i_h * D + cd).to(tl.float32)
+    b_g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * _softplus(b_f)
+    b_beta = tl.sigmoid(tl.load(b_raw + i_b * H + i_h).to(tl.float32))
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+    return b_q, b_k, tl.exp(b_g), b_beta
+
+
+@triton.jit
+def _update_columns(S, b_q, b_k, decay, b_beta, b_v):
+    """The delta-rule step on a block of state columns S [D, BV] with their v [BV]: (new S, o [BV])."""
+    S = S * decay[:, None]
+    b_u = b_beta * (b_v - tl.sum(S * b_k[:, None], axis=0))
+    S += b_k[:, None] * b_u[None, :]
+    return S, tl.sum(S * b_q[:, None], axis=0)
+
+
+@triton.jit
 def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, arrivals, scale, eps,
                    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                   HAS_NORM: tl.constexpr):
-    """One token of KDA for one (sequence, head) and one block of BV state columns. Grid (B*H, D // BV).
+                   HAS_NORM: tl.constexpr, ADJACENT: tl.constexpr):
+    """One token of KDA for one (sequence, head) and one block of BV state columns. Grid (B*H, D // BV), or
+    with ADJACENT (B*H * D // BV,), the blocks of a head on consecutive program ids.
 
         q, k, v = silu(conv(taps, x))        (per channel; taps shifted in place)
         g = -exp(A_log[h]) * softplus(f + dt_bias);  beta = sigmoid(b_raw)
@@ -103,8 +140,12 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     rmsnorm(o) * norm_w * sigmoid(out_gate) (KimiLinearRMSNormGated on the o rounded to the model
     dtype, as the unfused path would see it), which needs the whole row of o.
     """
-    i_bh = tl.program_id(0)
-    i_v = tl.program_id(1)
+    if ADJACENT:
+        i_bh = tl.program_id(0) // (D // BV)
+        i_v = tl.program_id(0) % (D // BV)
+    else:
+        i_bh = tl.program_id(0)
+        i_v = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
     cd = tl.arange(0, D)
@@ -113,20 +154,9 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     p_s = state + i_bh.to(tl.int64) * D * D + cd[:, None] * D + cv[None, :]
     S = tl.load(p_s)
 
-    b_q = _short_conv(qkv, taps, conv_w, i_b, i_h * D + cd, C, W, WP)
-    b_k = _short_conv(qkv, taps, conv_w, i_b, (H + i_h) * D + cd, C, W, WP)
+    b_q, b_k, decay, b_beta = _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h, H, D, W, WP)
     b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + cv, C, W, WP)
-    hd = i_b.to(tl.int64) * H * D + i_h * D
-    b_f = tl.load(f + hd + cd).to(tl.float32) + tl.load(dt_bias + i_h * D + cd).to(tl.float32)
-    b_g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * _softplus(b_f)
-    b_beta = tl.sigmoid(tl.load(b_raw + i_bh).to(tl.float32))
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-
-    S = S * tl.exp(b_g)[:, None]
-    b_u = b_beta * (b_v - tl.sum(S * b_k[:, None], axis=0))
-    S += b_k[:, None] * b_u[None, :]
-    b_o = tl.sum(S * b_q[:, None], axis=0)
+    S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
     p_o = o + i_bh.to(tl.int64) * D
     tl.debug_barrier()  # every load of this block's state landed before any of it is overwritten
     tl.store(p_s, S)
@@ -140,15 +170,55 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
         _shift_taps(qkv, taps, i_b, i_h * D, D, C, W, WP)
         _shift_taps(qkv, taps, i_b, (H + i_h) * D, D, C, W, WP)
         if HAS_NORM:
-            _gated_norm_row(p_o, out_gate + hd, norm_w, eps, D)
+            _gated_norm_row(p_o, out_gate + i_bh.to(tl.int64) * D, norm_w, eps, D)
         tl.atomic_xchg(arrivals + i_bh, 0)
+
+
+@triton.jit
+def _kda_decode_head_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, scale, eps,
+                            H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
+                            HAS_NORM: tl.constexpr):
+    """The step of `_kda_decode_kernel` for one whole (sequence, head) per program. Grid (B*H,).
+
+    q, k, the decay and beta once; then the D // BV blocks of state columns in turn, unrolled, the next
+    block's load issued before the current block's update so that one block is always on its way in
+    (the first during the q/k conv). The program owns the head: it shifts all of the head's conv taps
+    and normalises o itself (rereading the row it stored, as the model dtype rounded it), after a barrier.
+    """
+    NB: tl.constexpr = D // BV
+    i_bh = tl.program_id(0)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    cb = tl.arange(0, BV)
+    C: tl.constexpr = 3 * H * D
+    p_s = state + i_bh.to(tl.int64) * D * D + tl.arange(0, D)[:, None] * D + cb[None, :]
+    S_next = tl.load(p_s)
+
+    b_q, b_k, decay, b_beta = _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h, H, D, W, WP)
+    p_o = o + i_bh.to(tl.int64) * D
+    for j in tl.static_range(NB):
+        S = S_next
+        if j + 1 < NB:
+            S_next = tl.load(p_s + (j + 1) * BV)
+        b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + j * BV + cb, C, W, WP)
+        S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
+        tl.store(p_s + j * BV, S)  # each thread stores the elements it loaded: no barrier needed
+        tl.store(p_o + j * BV + cb, b_o.to(o.dtype.element_ty))
+
+    tl.debug_barrier()  # every thread is done reading the taps and has stored its o
+    _shift_taps(qkv, taps, i_b, i_h * D, D, C, W, WP)
+    _shift_taps(qkv, taps, i_b, (H + i_h) * D, D, C, W, WP)
+    _shift_taps(qkv, taps, i_b, (2 * H + i_h) * D, D, C, W, WP)
+    if HAS_NORM:
+        _gated_norm_row(p_o, out_gate + i_bh.to(tl.int64) * D, norm_w, eps, D)
 
 
 def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, scale=None, *,
                      out_gate=None, norm_weight=None, norm_eps=1e-5, cfg: dict | None = None):
     """One KDA decode step for B sequences, one launch (one program per sequence, head and block of 32
     state columns; a counter buffer per device (`model.triton.arrival_counters`) lets the last block of
-    each head finish it: one decode step at a time per device).
+    each head finish it: one decode step at a time per device). `cfg` overrides `decode_config(B)`:
+    BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring).
 
     qkv_raw [B, 3*H*d]: the q|k|v projections before the conv (model dtype).
     conv_taps [B, W-1, 3*H*d]: the last W-1 projection inputs, updated in place.
@@ -204,9 +274,16 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
         out_gate, norm_weight = out_gate.contiguous(), norm_weight.contiguous()
     o = mt.empty(B, H, D, dtype=qkv_raw.dtype, device=state.device)
     c = {**decode_config(B), **(cfg or {})}
+    if c["grid"] not in GRIDS:
+        raise ValueError(f"fused_kda_decode: grid must be one of {GRIDS}, got {c['grid']!r}")
     BV = min(D, c["BV"])
-    _kda_decode_kernel[(B * H, D // BV)](qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, o,
-                                     out_gate, norm_weight, mt.arrival_counters(state.device, B * H),
-                                     scale, float(norm_eps), H=H, D=D, W=W, WP=triton.next_power_of_2(W - 1),
-                                     BV=BV, HAS_NORM=norm_weight is not None, num_warps=c["num_warps"])
+    args = (qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_weight)
+    meta = dict(H=H, D=D, W=W, WP=triton.next_power_of_2(W - 1), BV=BV, HAS_NORM=norm_weight is not None,
+                num_warps=c["num_warps"])
+    if c["grid"] == "head":
+        _kda_decode_head_kernel[(B * H,)](*args, scale, float(norm_eps), **meta)
+    else:
+        adjacent = c["grid"] == "adjacent"
+        _kda_decode_kernel[(B * H * (D // BV),) if adjacent else (B * H, D // BV)](
+            *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), **meta, ADJACENT=adjacent)
     return o
