@@ -38,22 +38,23 @@ def decode_config(B: int) -> dict:
 
 
 @triton.jit
-def _short_conv(x, taps, conv_w, i_b, ch, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+def _short_conv(x, taps, conv_w, i_b, ch, C: tl.constexpr, W: tl.constexpr):
     """Depthwise causal conv of the current input with the W-1 stored taps, then SiLU, for channels ch.
 
     Rounds where `causal_conv1d` does: inputs to the weight dtype, the conv and the SiLU results to
-    the weight dtype, then to the input dtype. Returns the activation as fp32.
+    the weight dtype, then to the input dtype. Returns the activation as fp32. One tap at a time, in
+    vectors shaped like ch: a [taps, channels] tile would get a layout of its own, which Triton then
+    imposed on the state block these channels meet (seen at 32 columns: a round trip of the whole
+    block through shared memory).
     """
-    j = tl.arange(0, WP)
-    m_j = (j < W - 1)[:, None]
-    old = tl.load(taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :], mask=m_j, other=0.)
-    b_x = tl.load(x + i_b.to(tl.int64) * C + ch)
-    w_taps = tl.load(conv_w + ch[None, :] * W + j[:, None], mask=m_j, other=0.)
-    w_now = tl.load(conv_w + ch * W + (W - 1))
     wdt = conv_w.dtype.element_ty
     xdt = x.dtype.element_ty
-    acc = tl.sum(old.to(xdt).to(wdt).to(tl.float32) * w_taps.to(tl.float32), axis=0)
-    acc += b_x.to(wdt).to(tl.float32) * w_now.to(tl.float32)
+    acc = tl.zeros(ch.shape, tl.float32)
+    for j in tl.static_range(W - 1):
+        old = tl.load(taps + (i_b * (W - 1) + j).to(tl.int64) * C + ch)
+        acc += old.to(xdt).to(wdt).to(tl.float32) * tl.load(conv_w + ch * W + j).to(tl.float32)
+    b_x = tl.load(x + i_b.to(tl.int64) * C + ch)
+    acc += b_x.to(wdt).to(tl.float32) * tl.load(conv_w + ch * W + (W - 1)).to(tl.float32)
     y = acc.to(wdt).to(tl.float32)
     return (y * tl.sigmoid(y)).to(wdt).to(xdt).to(tl.float32)
 
@@ -101,8 +102,8 @@ def _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h,
     k = l2norm(silu(conv k)), the decay exp(g) ([D] each) and beta."""
     cd = tl.arange(0, D)
     C: tl.constexpr = 3 * H * D
-    b_q = _short_conv(qkv, taps, conv_w, i_b, i_h * D + cd, C, W, WP)
-    b_k = _short_conv(qkv, taps, conv_w, i_b, (H + i_h) * D + cd, C, W, WP)
+    b_q = _short_conv(qkv, taps, conv_w, i_b, i_h * D + cd, C, W)
+    b_k = _short_conv(qkv, taps, conv_w, i_b, (H + i_h) * D + cd, C, W)
     hd = i_b.to(tl.int64) * H * D + i_h * D
     b_f = tl.load(f + hd + cd).to(tl.float32) + tl.load(dt_bias + i_h * D + cd).to(tl.float32)
     b_g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * _softplus(b_f)
@@ -155,7 +156,7 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     S = tl.load(p_s)
 
     b_q, b_k, decay, b_beta = _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h, H, D, W, WP)
-    b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + cv, C, W, WP)
+    b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + cv, C, W)
     S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
     p_o = o + i_bh.to(tl.int64) * D
     tl.debug_barrier()  # every load of this block's state landed before any of it is overwritten
@@ -200,7 +201,7 @@ def _kda_decode_head_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, 
         S = S_next
         if j + 1 < NB:
             S_next = tl.load(p_s + (j + 1) * BV)
-        b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + j * BV + cb, C, W, WP)
+        b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + j * BV + cb, C, W)
         S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
         tl.store(p_s + j * BV, S)  # each thread stores the elements it loaded: no barrier needed
         tl.store(p_o + j * BV + cb, b_o.to(o.dtype.element_ty))
