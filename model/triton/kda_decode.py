@@ -60,19 +60,23 @@ def _short_conv(x, taps, conv_w, i_b, ch, C: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit(noinline=True)
-def _shift_taps(x, taps, i_b, ch0, N: tl.constexpr, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+def _shift_taps(x, taps, i_b, ch0, N: tl.constexpr, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                G: tl.constexpr = 1, GP: tl.constexpr = 1, GSTRIDE: tl.constexpr = 0):
     """Drop the oldest tap and append the current input (taps hold the last W-1 inputs), for the N
-    channels from ch0. Rereads what it moves; a separate function, so that its registers are not
-    added to the state update's."""
+    channels from ch0, and for G such groups GSTRIDE channels apart (all read before any is written:
+    one round trip; GP, the lanes' group count, is G rounded up to a power of two). Rereads what it
+    moves; a separate function, so that its registers are not added to the state update's."""
     j = tl.arange(0, WP)
-    ch = ch0 + tl.arange(0, N)
+    lane = tl.arange(0, GP * N)
+    ch = ch0 + lane // N * GSTRIDE + lane % N
+    m_ch = lane < G * N
     p_taps = taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :]
-    keep = ((j >= 1) & (j < W - 1))[:, None]
+    keep = ((j >= 1) & (j < W - 1))[:, None] & m_ch[None, :]
     old = tl.load(p_taps, mask=keep, other=0.)
-    b_x = tl.load(x + i_b.to(tl.int64) * C + ch)
+    b_x = tl.load(x + i_b.to(tl.int64) * C + ch, mask=m_ch)
     tl.debug_barrier()  # every thread has read the rows before any row is overwritten
     tl.store(p_taps - C, old, mask=keep)
-    tl.store(taps + (i_b * (W - 1) + W - 2).to(tl.int64) * C + ch, b_x.to(taps.dtype.element_ty))
+    tl.store(taps + (i_b * (W - 1) + W - 2).to(tl.int64) * C + ch, b_x.to(taps.dtype.element_ty), mask=m_ch)
 
 
 @triton.jit
@@ -178,12 +182,12 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
 @triton.jit
 def _kda_decode_head_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, scale, eps,
                             H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                            HAS_NORM: tl.constexpr):
+                            HAS_NORM: tl.constexpr, PF: tl.constexpr):
     """The step of `_kda_decode_kernel` for one whole (sequence, head) per program. Grid (B*H,).
 
-    q, k, the decay and beta once; then the D // BV blocks of state columns in turn, unrolled, the next
-    block's load issued before the current block's update so that one block is always on its way in
-    (the first during the q/k conv). The program owns the head: it shifts all of the head's conv taps
+    q, k, the decay and beta once; then the D // BV blocks of state columns in turn, unrolled, the load
+    of the next PF blocks (1 or 2) issued before the current block's update, so that PF blocks are always
+    on their way in (the first during the q/k conv). The program owns the head: it shifts all of the head's conv taps
     and normalises o itself (rereading the row it stored, as the model dtype rounded it), after a barrier.
     """
     NB: tl.constexpr = D // BV
@@ -194,12 +198,19 @@ def _kda_decode_head_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, 
     C: tl.constexpr = 3 * H * D
     p_s = state + i_bh.to(tl.int64) * D * D + tl.arange(0, D)[:, None] * D + cb[None, :]
     S_next = tl.load(p_s)
+    if PF == 2 and NB > 1:
+        S_after = tl.load(p_s + BV)
 
     b_q, b_k, decay, b_beta = _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h, H, D, W, WP)
     p_o = o + i_bh.to(tl.int64) * D
     for j in tl.static_range(NB):
         S = S_next
-        if j + 1 < NB:
+        if PF == 2:
+            if j + 1 < NB:
+                S_next = S_after
+            if j + 2 < NB:
+                S_after = tl.load(p_s + (j + 2) * BV)
+        elif j + 1 < NB:
             S_next = tl.load(p_s + (j + 1) * BV)
         b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + j * BV + cb, C, W)
         S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
@@ -207,9 +218,7 @@ def _kda_decode_head_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, 
         tl.store(p_o + j * BV + cb, b_o.to(o.dtype.element_ty))
 
     tl.debug_barrier()  # every thread is done reading the taps and has stored its o
-    _shift_taps(qkv, taps, i_b, i_h * D, D, C, W, WP)
-    _shift_taps(qkv, taps, i_b, (H + i_h) * D, D, C, W, WP)
-    _shift_taps(qkv, taps, i_b, (2 * H + i_h) * D, D, C, W, WP)
+    _shift_taps(qkv, taps, i_b, i_h * D, D, C, W, WP, 3, 4, H * D)  # the head's q, k and v channels
     if HAS_NORM:
         _gated_norm_row(p_o, out_gate + i_bh.to(tl.int64) * D, norm_w, eps, D)
 
@@ -219,7 +228,8 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     """One KDA decode step for B sequences, one launch (one program per sequence, head and block of 32
     state columns; a counter buffer per device (`model.triton.arrival_counters`) lets the last block of
     each head finish it: one decode step at a time per device). `cfg` overrides `decode_config(B)`:
-    BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring).
+    BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring) and, for the
+    "head" grid, PF (blocks loaded ahead: 1, the default, or 2).
 
     qkv_raw [B, 3*H*d]: the q|k|v projections before the conv (model dtype).
     conv_taps [B, W-1, 3*H*d]: the last W-1 projection inputs, updated in place.
@@ -282,7 +292,9 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     meta = dict(H=H, D=D, W=W, WP=triton.next_power_of_2(W - 1), BV=BV, HAS_NORM=norm_weight is not None,
                 num_warps=c["num_warps"])
     if c["grid"] == "head":
-        _kda_decode_head_kernel[(B * H,)](*args, scale, float(norm_eps), **meta)
+        if c.get("PF", 1) not in (1, 2):
+            raise ValueError(f"fused_kda_decode: PF (blocks loaded ahead) must be 1 or 2, got {c['PF']!r}")
+        _kda_decode_head_kernel[(B * H,)](*args, scale, float(norm_eps), **meta, PF=c.get("PF", 1))
     else:
         adjacent = c["grid"] == "adjacent"
         _kda_decode_kernel[(B * H * (D // BV),) if adjacent else (B * H, D // BV)](
