@@ -3,14 +3,14 @@
 
 Two kernels, picked by the config's `grid`:
 - "strided" and "adjacent": one program per (sequence, head, block of BV state columns), the head's last
-  block to finish shifting the q/k conv taps and normalising o (at batch 1 and BV=32: 128 programs, each
+  block to finish shifting the conv taps and normalising o (at batch 1 and BV=32: 128 programs, each
   moving 16 KB of fp32 state in and out). "strided" numbers the programs head-fastest, so the D/BV blocks of
   one head's state run B*H programs apart (at batch 64, in different waves: each reads 4*BV bytes of every
   512-byte row while the rest of the row waits for a later wave); "adjacent" numbers them block-fastest, so a
   head's blocks run together and read its 64 KB of state as one region (fla's fused_recurrent grid order).
-- "head": one program per (sequence, head), walking the head's column blocks with the next block's load in
-  flight during the current block's update: the conv, L2 norms and gate once per head instead of once per
-  block, and no arrival counter (no atomics, no waiting on the last block).
+- "head": one program per (sequence, head), walking the head's column blocks with the next PF blocks' loads
+  in flight during the current block's update: the conv, L2 norms and gate once per head instead of once
+  per block, and no arrival counter (no atomics, no waiting on the last block).
 """
 from __future__ import annotations
 
@@ -140,8 +140,8 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     Tiles: the state block S [D, BV] fp32, q and k whole ([D], recomputed by every block of the head:
     a conv of one token is cheap), v and o for the block's BV columns. A block of S needs only its own
     columns of v, so the blocks are independent except for two things done once per head, by the
-    head's last block to finish (counted in `arrivals`, which it resets to 0): shifting the q and k
-    conv taps, which every block reads, and, with HAS_NORM, replacing o by
+    head's last block to finish (counted in `arrivals`, which it resets to 0): shifting the conv taps
+    (the q and k taps, which every block reads, and with them the v taps), and, with HAS_NORM, replacing o by
     rmsnorm(o) * norm_w * sigmoid(out_gate) (KimiLinearRMSNormGated on the o rounded to the model
     dtype, as the unfused path would see it), which needs the whole row of o.
     """
@@ -166,14 +166,13 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     tl.debug_barrier()  # every load of this block's state landed before any of it is overwritten
     tl.store(p_s, S)
     tl.store(p_o + cv, b_o.to(o.dtype.element_ty))
-    _shift_taps(qkv, taps, i_b, (2 * H + i_h) * D + i_v * BV, BV, C, W, WP)  # this block's own v channels
 
-    # Report in once every thread of this block is done with the q/k taps and has stored its o
-    # (acq_rel atomic); the last of the head's blocks to report finishes the head.
+    # Report in once every thread of this block is done with the taps and has stored its o (acq_rel
+    # atomic); the last of the head's blocks to report finishes the head: the taps of all its q, k and v
+    # channels in one round trip (a block's own v taps too, off the other blocks' critical path).
     tl.debug_barrier()
     if tl.atomic_add(arrivals + i_bh, 1) == D // BV - 1:
-        _shift_taps(qkv, taps, i_b, i_h * D, D, C, W, WP)
-        _shift_taps(qkv, taps, i_b, (H + i_h) * D, D, C, W, WP)
+        _shift_taps(qkv, taps, i_b, i_h * D, D, C, W, WP, 3, 4, H * D)
         if HAS_NORM:
             _gated_norm_row(p_o, out_gate + i_bh.to(tl.int64) * D, norm_w, eps, D)
         tl.atomic_xchg(arrivals + i_bh, 0)
@@ -225,9 +224,10 @@ def _kda_decode_head_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, 
 
 def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, scale=None, *,
                      out_gate=None, norm_weight=None, norm_eps=1e-5, cfg: dict | None = None):
-    """One KDA decode step for B sequences, one launch (one program per sequence, head and block of 32
+    """One KDA decode step for B sequences, one launch (one program per sequence, head and block of BV
     state columns; a counter buffer per device (`model.triton.arrival_counters`) lets the last block of
-    each head finish it: one decode step at a time per device). `cfg` overrides `decode_config(B)`:
+    each head finish it: one decode step at a time per device; or, with the "head" grid, one program per
+    sequence and head, no counters). `cfg` overrides `decode_config(B)`:
     BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring) and, for the
     "head" grid, PF (blocks loaded ahead: 1, the default, or 2).
 
