@@ -195,21 +195,21 @@ def chunk_case(T: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
     return res, reasons
 
 
-def decode_step_inputs(B: int) -> tuple:
+def decode_step_inputs(B: int, device: str = "cuda") -> tuple:
     """Seeded inputs of one KDA layer's decode step at batch B, as the model holds them: (qkv_raw, taps, conv_w,
     f, A_log, dt_bias, b_raw, out_gate, norm_w, state)."""
     gen = torch.Generator().manual_seed(B)
     C = 3 * H * D
-    qkv_raw = torch.randn(B, C, generator=gen).cuda().to(DTYPE)
-    taps = torch.randn(B, W - 1, C, generator=gen).cuda().to(DTYPE)
-    conv_w = (0.5 * torch.randn(C, W, generator=gen)).cuda().to(DTYPE)
-    f = torch.randn(B, H * D, generator=gen).cuda().to(DTYPE)
-    A_log = (torch.rand(H, generator=gen) * 3 - 1).cuda()
-    dt_bias = torch.randn(H * D, generator=gen).cuda()
-    b_raw = torch.randn(B, H, generator=gen).cuda().to(DTYPE)
-    out_gate = torch.randn(B, H * D, generator=gen).cuda().to(DTYPE)
-    norm_w = (1 + 0.1 * torch.randn(D, generator=gen)).cuda().to(DTYPE)
-    state = torch.randn(B, H, D, D, generator=gen).cuda()
+    qkv_raw = torch.randn(B, C, generator=gen).to(device).to(DTYPE)
+    taps = torch.randn(B, W - 1, C, generator=gen).to(device).to(DTYPE)
+    conv_w = (0.5 * torch.randn(C, W, generator=gen)).to(device).to(DTYPE)
+    f = torch.randn(B, H * D, generator=gen).to(device).to(DTYPE)
+    A_log = (torch.rand(H, generator=gen) * 3 - 1).to(device)
+    dt_bias = torch.randn(H * D, generator=gen).to(device)
+    b_raw = torch.randn(B, H, generator=gen).to(device).to(DTYPE)
+    out_gate = torch.randn(B, H * D, generator=gen).to(device).to(DTYPE)
+    norm_w = (1 + 0.1 * torch.randn(D, generator=gen)).to(device).to(DTYPE)
+    state = torch.randn(B, H, D, D, generator=gen).to(device)
     return qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, out_gate, norm_w, state
 
 
@@ -258,11 +258,11 @@ DECODE_SWEEP = ([dict(grid="strided", BV=bv, num_warps=nw) for bv in (8, 16, 32,
                                       (128, 16, 1), (8, 4, 2), (16, 4, 2), (16, 8, 2), (32, 8, 2))])
 
 
-def decode_sweep(B: int) -> list[dict]:
+def decode_sweep(B: int, device: str = "cuda") -> list[dict]:
     """Our decode step at each config of DECODE_SWEEP, timed as the model runs it (`graph_ms` over 32 layers,
     each with its own state and conv taps), the output checked against the default's. One record per config."""
     from model.triton.kda_decode import decode_config, fused_kda_decode
-    qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, out_gate, norm_w, state = decode_step_inputs(B)
+    qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, out_gate, norm_w, state = decode_step_inputs(B, device)
     # each timed layer its own state and conv taps (the first layer's are the seeded ones)
     layers = [(state, taps)] + [(torch.randn_like(state), torch.randn_like(taps)) for _ in range(GRAPH_LAYERS - 1)]
 
@@ -290,7 +290,7 @@ def decode_sweep(B: int) -> list[dict]:
             results, reasons = {}, [f"{cfg} failed: {type(e).__name__}: {e}"]
         params = {"op": "kda_decode_step", "B": B, "T": 1, "H": H, "d": D, "dtype": "bfloat16", "sweep": True,
                   "cfg": {**decode_config(B), **cfg}}
-        rec = kernel_record(params, results, reasons, "cuda")
+        rec = kernel_record(params, results, reasons, device)
         recs.append(rec)
         log(f"  kda_decode_step B={B:<3d} {cfg}  ours={_ms(results.get('ours_ms'))} (graph)  {rec['verdict']}")
         if not reasons and (best is None or results["ours_ms"] < best[1]):

@@ -332,3 +332,21 @@ def test_mla_absorb_sweep_plumbing(records_dir, monkeypatch):
                                                                     ("o", "VALID"), ("o", "INVALID")]
     assert recs[0]["results"]["rel_err_vs_default"] < 1e-5 and "failed" in recs[1]["reasons"][0]
     assert (recs[2]["params"]["K"], recs[2]["params"]["N"]) == (32, 128)
+
+
+# ---- bench_kernels: KDA decode step sweep ------------------------------------------
+
+def test_decode_sweep_plumbing(records_dir, monkeypatch):
+    """`--ops kda_decode_step --decode-sweep` on the CPU through the interpreter, small shapes, a fake clock:
+    every config of DECODE_SWEEP (each grid) runs, matches the default config's output and is recorded VALID
+    with its whole config."""
+    from benchmarks import bench_kernels as bk
+    for name, value in (("H", 2), ("D", 32), ("GRAPH_LAYERS", 2)):
+        monkeypatch.setattr(bk, name, value)
+    monkeypatch.setattr(bk, "graph_ms", lambda calls: ([c() for c in calls], 0.01)[1])
+    recs = bk.decode_sweep(2, device="cpu")
+    assert all(r["verdict"] == "VALID" for r in recs), [r["reasons"] for r in recs if r["verdict"] != "VALID"]
+    assert [r["params"]["cfg"]["grid"] for r in recs] == [c["grid"] for c in bk.DECODE_SWEEP]
+    assert {c["grid"] for c in bk.DECODE_SWEEP} == {"strided", "adjacent", "head"}
+    assert all(r["results"]["rel_err_vs_default"] <= 1e-5 for r in recs)
+    assert len(load(kinds="kernel", root=records_dir).records) == len(bk.DECODE_SWEEP)
