@@ -213,7 +213,8 @@ def _kda_decode_head_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, 
             S_next = tl.load(p_s + (j + 1) * BV)
         b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + j * BV + cb, C, W)
         S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
-        tl.store(p_s + j * BV, S)  # each thread stores the elements it loaded: no barrier needed
+        tl.debug_barrier()  # this block's loads landed in every thread (a small tile is held by several)
+        tl.store(p_s + j * BV, S)
         tl.store(p_o + j * BV + cb, b_o.to(o.dtype.element_ty))
 
     tl.debug_barrier()  # every thread is done reading the taps and has stored its o
