@@ -186,8 +186,9 @@ def _kda_decode_head_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, 
 
     q, k, the decay and beta once; then the D // BV blocks of state columns in turn, unrolled, the load
     of the next PF blocks (1 or 2) issued before the current block's update, so that PF blocks are always
-    on their way in (the first during the q/k conv). The program owns the head: it shifts all of the head's conv taps
-    and normalises o itself (rereading the row it stored, as the model dtype rounded it), after a barrier.
+    on their way in (the first during the q/k conv). The program owns the head: after a barrier it
+    shifts all of the head's conv taps and normalises o itself (rereading the row it stored, as the
+    model dtype rounded it).
     """
     NB: tl.constexpr = D // BV
     i_bh = tl.program_id(0)
