@@ -258,6 +258,12 @@ DECODE_SWEEP = ([dict(grid="strided", BV=bv, num_warps=nw) for bv in (8, 16, 32,
                                       (128, 16, 1), (8, 4, 2), (16, 4, 2), (16, 8, 2), (32, 8, 2))])
 
 
+# A config's bf16 output against the default's: another fp32 summation order flips the rounding of a few elements
+# by one bf16 ulp (2^-8 relative; at B=64 relative RMS errors of 3e-5 to 5e-5, run of 5ac699e), which a 1e-5 bound
+# called a difference; a wrong column block or state row gives errors of order 1.
+DECODE_SWEEP_TOL = 1e-3
+
+
 def decode_sweep(B: int, device: str = "cuda") -> list[dict]:
     """Our decode step at each config of DECODE_SWEEP, timed as the model runs it (`graph_ms` over 32 layers,
     each with its own state and conv taps), the output checked against the default's. One record per config."""
@@ -278,8 +284,8 @@ def decode_sweep(B: int, device: str = "cuda") -> list[dict]:
         reasons = []
         try:
             err = rel_err(step(first, cfg), ref)
-            if not err <= 1e-5:
-                reasons.append(f"differs from the default config: relative RMS error {err:.3g}")
+            if not err <= DECODE_SWEEP_TOL:
+                reasons.append(f"differs from the default config: relative RMS error {err:.3g} > {DECODE_SWEEP_TOL}")
             results = {"ours_ms": graph_ms([lambda L=L: fused_kda_decode(qkv_raw, L[1], conv_w, f, A_log, dt_bias,
                                                                          b_raw, L[0], out_gate=out_gate,
                                                                          norm_weight=norm_w, cfg=cfg)

@@ -321,11 +321,11 @@ def test_decode_fused_output_norm(B, d, dtype, grid, seed):
 
 
 def test_decode_batch_64():
-    """From batch 16 on the state is cut into blocks of 16 columns (two per head here): same result as one
-    32-column block, with the fused norm finished by the head's last block; and as four 8-column blocks
-    in each grid."""
-    from model.triton.kda_decode import DECODE_LARGE, LARGE_BATCH
-    assert 64 >= LARGE_BATCH and DECODE_LARGE["BV"] == 16
+    """At batch 64 (the DECODE_LARGE config from LARGE_BATCH on): blocks of 16 columns (two per head here), the
+    fused norm finished by the head's last block, give the result of one 32-column block and of the default
+    config; and so do four 8-column blocks in each grid."""
+    from model.triton.kda_decode import LARGE_BATCH
+    assert 64 >= LARGE_BATCH
     inp = decode_inputs(64, 1, 32, 4, torch.float32, 9)
     ro, rstate, rtaps = decode_reference(inp, 1, 32)
     o, state, taps = run_decode(inp)
@@ -334,10 +334,13 @@ def test_decode_batch_64():
     assert_close(state, rstate, 1e-5, "state")
     gen = torch.Generator().manual_seed(10)
     norm = dict(out_gate=torch.randn(64, 32, generator=gen).to(DEV), norm_weight=torch.randn(32, generator=gen).to(DEV))
-    blocks, state16, taps16 = run_decode(inp, **norm)
+    blocks, state16, taps16 = run_decode(inp, **norm, cfg=dict(BV=16, grid="strided"))
     whole, state32, _ = run_decode(inp, **norm, cfg=dict(BV=32))
     assert torch.equal(state16, state32)
     assert_close(blocks, whole, 1e-6, "16- vs 32-column blocks")
+    default, state_d, taps_d = run_decode(inp, **norm)
+    assert torch.equal(state_d, state16) and torch.equal(taps_d, taps16)
+    assert_close(default, blocks, 1e-6, "default config vs 16-column blocks")
     for grid in GRIDS:  # the blocks of a head far apart, adjacent, or walked by one program: the same step
         o_grid, state_grid, taps_grid = run_decode(inp, **norm, cfg=dict(grid=grid, BV=8, PF=2))
         assert torch.equal(taps_grid, taps16), grid

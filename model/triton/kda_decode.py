@@ -26,8 +26,12 @@ import model.triton as mt
 # `11880e09`, 16 columns 7.3 us `9f9fb6a0`; B=8: 21.0 us `5fdaad58` against 22.4 us `9780df3b`), 16 columns from
 # LARGE_BATCH on (B=64: 133.9 us `096a1285` against 147.6 us `246945f2`). The sweep measured batches 1, 8 and 64
 # only: the switch at 16 is a guess between them. Both with the "strided" grid, the only one measured then.
+# Since the conv runs one tap at a time (the state block no longer takes the conv's layout), the sweep of 5ac699e
+# found 32 columns over 2 warps on the "adjacent" grid fastest at B=64: 87.7 us `a392ce5f` (strided: 92.8 us
+# `e353738b`), against 133.5 us `6f14a108` at the old 16 columns x 4 warps. At B=1 the default stays within 1.1 us
+# of the best (7.9 us `237cbf6f`, best 6.8 us `cea96aa3` at 16 columns x 1 warp); B=8 was not swept on that code.
 DECODE = dict(BV=32, num_warps=4, grid="strided")
-DECODE_LARGE = dict(BV=16, num_warps=4, grid="strided")
+DECODE_LARGE = dict(BV=32, num_warps=2, grid="adjacent")
 LARGE_BATCH = 16
 GRIDS = ("strided", "adjacent", "head")  # see the module docstring
 
