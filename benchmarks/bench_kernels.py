@@ -1,7 +1,8 @@
 """Kernel speed: our Triton kernels against a peer on the same inputs, in one process.
 
     python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine]
-        [--chunk-T 1024,8192,32768] [--chunk-prep level,blocked] [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
+        [--chunk-T 1024,8192,32768] [--chunk-prep level,blocked] [--decode-B 1,8,64] [--mla-T 1024,32768,131072]
+        [--prefill-T 8192] [--rep-ms 200]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
 
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;

@@ -1,16 +1,22 @@
 """Chunked KDA prefill in Triton: the fast twin of `model.kda.chunk_kda` (forward only).
 
-Two kernels, both per (batch, head):
+Two stages, both per (batch, head):
 
-1. `_kda_chunk_prep_kernel`, one program per chunk of BT=64 tokens, all chunks in parallel. It does
-   everything that does not need the state: q/k L2 norm, the intra-chunk matrices Akk/Aqk with their
+1. prep, all chunks of BT=64 tokens in parallel, two paths (`prep=`, default `PREP`):
+   - "level": `_kda_chunk_prep_kernel`, one program per chunk, does it all (below);
+   - "blocked": `_kda_chunk_intra_kernel`, one program per 16-row block of a chunk, writes that block's
+     rows of Akk and Aqk (fp32 Akk; Aqk in the stored dtype, see "Precision") by 16 x 16 blocks, then
+     `_kda_chunk_wy_kernel`, one program per chunk, inverts Akk and forms the five operands. fla's split
+     (intra kernels on small blocks, then the WY step); the first is many short programs instead of one
+     long chain of steps. It compiles for sm_90 without spills in the intra kernel, 16 B in the other.
+   Prep does everything that does not need the state: q/k L2 norm, the intra-chunk matrices Akk/Aqk with their
    pairwise decays, the UT-transform solve T = (I + Akk)^-1, and folds the results into five per-chunk
    operands of the state recurrence ([B*H, NT*BT, D] so a chunk is one contiguous slab; fp32 for fp32
    inputs, bf16 for bf16/fp16 inputs, see "Precision" below):
        w  = T (beta k e^G)            u  = T (beta v)              (G: cumulative log decay in the chunk)
        qw = q e^G - Aqk w             ou = Aqk u
        kd = k e^(G_last - G)          eglast = e^G_last
-2. `_kda_chunk_scan_kernel`, one program per (head, V-block of 32), walking the chunks in order with the
+2. scan: `_kda_chunk_scan_kernel`, one program per (head, V-block of 32), walking the chunks in order with the
    fp32 state S [K, BV] in registers:
        v_new = u - w S;   o = qw S + ou   (= q e^G S + Aqk v_new);   S <- eglast * S + kd^T v_new
 
@@ -22,8 +28,11 @@ each far below what the inputs already carry (bf16: relative 2^-9):
 - the span sums of gates are one tf32 dot: each gate rounded to relative 2^-11, all terms of one sign,
   so a span sum E <= 0 is off by at most 2^-11 |E| and its decay e^E by at most 2^-11 |E| e^E
   <= 2^-11 / e = 1.8e-4 (absolute, for a factor <= 1);
-- w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32.
-Tiles and warps were picked by timing on the H200 (T=8192, 32 heads of 128, bf16): the prep kernel at
+- w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32;
+  prep="blocked" also stores Aqk as bf16 between its two kernels (Akk stays fp32: it is inverted).
+prep="blocked" splits each span (s, t] that crosses 16-row blocks at the end of the block before t's
+(`_kda_chunk_intra_kernel`): a product of two such decays, each exp of a non-positive sum, each <= 1.
+Tiles and warps were picked by timing on the H200 (T=8192, 32 heads of 128, bf16): the "level" kernel at
 64-column slices and 4 warps took 1.39 ms against 1.91 ms at 8 warps, though at 4 warps it spills about
 1.2 KB per thread (264 B at 8 warps); the scan kernel spills 16 B. tests/test_triton_kda.py bounds both
 (compiled offline with Triton's bundled ptxas).
@@ -41,13 +50,14 @@ _LOG2_CHUNK = 6
 _SLICE = 64  # columns of q, k, g, v the prep kernel holds at a time
 _BV = 32     # state columns per scan program
 _PREP_WARPS = 4  # see the module docstring: faster than 8 although it spills more
-_BC = 16     # rows of a sub-block of prep="blocked"
+# prep="blocked" (untimed yet: picked by the sm_90 compile alone, no spills in intra; wy at 8 warps has none either)
+_BC = 16           # rows of a block
 _LOG2_BC = 4
-_INTRA_SLICE = 16  # columns per step of the intra kernel: compiled for sm_90, 32 spills 176 B, 16 none
+_INTRA_SLICE = 32  # columns per step of the intra kernel (168 registers; 64 takes 246)
 _INTRA_WARPS = 4
-_WY_WARPS = 4
+_WY_WARPS = 4      # 16 B of spills, as the 4-warp "level" kernel that timed faster than its 8-warp twin
 PREPS = ("level", "blocked")
-PREP = "level"  # the default prep path of chunk_kda_fwd, see the module docstring
+PREP = "level"  # the prep path chunk_kda_fwd takes by default
 _SCAN_WARPS = 8
 
 
@@ -217,193 +227,118 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
 
 
 @triton.jit
-def _intra_block(q0, k0, g0, n_live, B0: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                 LOG2_BC: tl.constexpr, PREC: tl.constexpr, S_Q: tl.constexpr, S_K: tl.constexpr,
-                 S_G: tl.constexpr):
-    """One block of BC rows (B0 .. B0+BC-1 of the chunk), one slice of BK columns from q0, k0, g0 (q, k
-    raw: the row norms, scale and beta are applied to the finished blocks): the slice's partial sums of
-    the diagonal blocks of Akk and Aqk and of the rows' squares, and the factors the block brings to the
-    off-diagonal blocks, with the end of the block before it (row B0-1) as the reference row of the spans
-    that reach into it:
-        qe = q e^L, ke = k e^L          (L_t = g_B0 + ... + g_t, the span from the reference row to t)
-        kc = k e^R                      (R_s = g_(s+1) + ... + g_(B0+BC-1), from s to this block's end)
-        gsum = g_B0 + ... + g_(B0+BC-1) (per channel; the block's whole span)
-    All are sums of gates of one sign (tl.cumsum / tl.sum in fp32, never a difference), so every factor is
-    exp of a non-positive span sum, <= 1."""
+def _block_tiles(q0, k0, g0, n_live, B0, kk, BC: tl.constexpr, BK: tl.constexpr, S_Q: tl.constexpr,
+                 S_K: tl.constexpr, S_G: tl.constexpr):
+    """Rows B0 .. B0+BC-1 of the chunk, columns kk .. kk+BK-1 of q, k, g (raw, fp32 [BC, BK]; zero past T)."""
     r = B0 + tl.arange(0, BC)
-    rn = r + 1
-    ck = tl.arange(0, BK)
-    live = r < n_live
-    q_b = tl.load(q0 + r[:, None] * S_Q + ck[None, :], mask=live[:, None], other=0.).to(tl.float32)
-    k_b = tl.load(k0 + r[:, None] * S_K + ck[None, :], mask=live[:, None], other=0.).to(tl.float32)
-    g_b = tl.load(g0 + r[:, None] * S_G + ck[None, :], mask=live[:, None], other=0.).to(tl.float32)
-    # row s+1 of the block (zero past its end): R is summed from the block's end, not as gsum - L
-    g_n = tl.load(g0 + rn[:, None] * S_G + ck[None, :], mask=((rn < B0 + BC) & (rn < n_live))[:, None],
-                  other=0.).to(tl.float32)
-    Akk = tl.zeros([BC, BC], dtype=tl.float32)
-    Aqk = tl.zeros([BC, BC], dtype=tl.float32)
-    for lvl in range(LOG2_BC):
-        A_kk, A_qk = _level_pairs(q_b, k_b, g_b, 1 << lvl, BC, PREC)
-        Akk += A_kk
-        Aqk += A_qk
+    c = kk + tl.arange(0, BK)
+    live = (r < n_live)[:, None]
+    q_b = tl.load(q0 + r[:, None] * S_Q + c[None, :], mask=live, other=0.).to(tl.float32)
+    k_b = tl.load(k0 + r[:, None] * S_K + c[None, :], mask=live, other=0.).to(tl.float32)
+    g_b = tl.load(g0 + r[:, None] * S_G + c[None, :], mask=live, other=0.).to(tl.float32)
+    return q_b, k_b, g_b
+
+
+@triton.jit
+def _store_block(p, X, row0, col0, BT: tl.constexpr, BC: tl.constexpr):
+    """X [BC, BC] at rows row0.., columns col0.. of the row-major [*, BT] matrix p, rounded to p's dtype."""
     i = tl.arange(0, BC)
-    Aqk += tl.where(i[:, None] == i[None, :], tl.sum(q_b * k_b, axis=1)[:, None], 0.)
-    e_L = tl.exp(tl.cumsum(g_b, axis=0))
-    kc = k_b * tl.exp(tl.cumsum(g_n, axis=0, reverse=True))
-    return (q_b * e_L, k_b * e_L, kc, tl.sum(g_b, axis=0), Akk, Aqk,
-            tl.sum(q_b * q_b, axis=1), tl.sum(k_b * k_b, axis=1))
+    tl.store(p + (row0 + i)[:, None] * BT + col0 + i[None, :], _rounded(X, p.dtype.element_ty))
 
 
 @triton.jit
-def _block_factors(beta0, n_live, scale, ss_q, ss_k, B0: tl.constexpr, H: tl.constexpr, BC: tl.constexpr,
-                   L2NORM: tl.constexpr):
-    """(f_q, f_k, beta) [BC] of rows B0 .. B0+BC-1: the factors of the raw q, k rows (see `_row_factors`)."""
-    r = B0 + tl.arange(0, BC)
-    b_beta = tl.load(beta0 + r * H, mask=r < n_live, other=0.).to(tl.float32)
-    if L2NORM:
-        return scale / tl.sqrt(ss_q + 1e-6), 1. / tl.sqrt(ss_k + 1e-6), b_beta
-    return tl.zeros([BC], dtype=tl.float32) + scale, tl.zeros([BC], dtype=tl.float32) + 1., b_beta
-
-
-@triton.jit
-def _store_block(p, X, I: tl.constexpr, J: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """Block (I, J) of a [BT, BT] matrix at p (row-major), rounded to p's dtype."""
-    i = tl.arange(0, BC)
-    tl.store(p + (I * BC + i)[:, None] * BT + J * BC + i[None, :], _rounded(X, p.dtype.element_ty))
-
-
-@triton.jit
-def _kda_chunk_intra_kernel(q, k, g, beta, Ti, Aq, T, NT, scale,
+def _kda_chunk_intra_kernel(q, k, g, beta, Ak, Aq, T, NT, scale,
                             H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                             BK: tl.constexpr, LOG2_BC: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
                             S_Q: tl.constexpr, S_K: tl.constexpr, S_G: tl.constexpr):
-    """First half of prep="blocked": T = (I + Akk)^-1 and Aqk of one chunk by BC x BC blocks, written as
-    the lower block triangles of [B*H, NT*BT, BT] (upper blocks are never written nor read). Grid (NT, B*H).
+    """First kernel of prep="blocked": one row block (BC = 16 rows) of Akk (times beta) and of Aqk of one
+    chunk, written as blocks (i, 0..i) of the [B*H, NT*BT, BT] matrices Ak, Aq (blocks above the diagonal
+    are never written nor read). Grid (NT, BT // BC, B*H): many small programs, as fla runs its intra
+    kernels, rather than one long chain of small steps per chunk.
 
-    The chunk is four blocks of BC = 16 rows; the ten lower blocks of Akk and of Aqk are summed over
-    slices of BK columns (`_intra_block`; small slices keep the 16 x 16 dots' operands, which every warp
-    holds whole, out of register spills), then scaled by the row norms, scale and beta.
-    Diagonal blocks: the level pairs of the old kernel (`_level_pairs`) within 16 rows (four levels of
-    16-row dots instead of six levels of 64 x 64 dots). Off-diagonal block (i, j), j < i: with the
-    reference row B0_i - 1 inside every span (s, t] (s in block j, t in block i),
-        exp(g_(s+1) + ... + g_t) = e^(L_i[t]) * e^(gsum_(j+1) + ... + gsum_(i-1)) * e^(R_j[s]),
-    every factor <= 1, so the block is one 16 x 16 dot of qe_i (ke_i) with kc_j per slice.
-    Inverse by blocks (forward substitution): T_ii = (I + A_ii)^-1 (`_unit_lower_inverse` at 16), and
-    T_ij = -T_ii sum_(m=j..i-1) A_im T_mj, exact, no series.
+    Diagonal block (i, i): the level pairs (`_level_pairs`) within its 16 rows, per slice of BK columns.
+    Off-diagonal block (i, j), j < i: with the reference row R = 16 i - 1 inside every span (s, t]
+    (s in block j, t in block i),
+        exp(g_(s+1) + ... + g_t) = exp(g_(R+1) + ... + g_t) * exp(g_(s+1) + ... + g_R),
+    both <= 1; the first is the in-block cumsum of block i, the second the in-block reverse cumsum of
+    block j (from row s+1) plus the gates of the blocks between (one sum of one sign, one exp), so the
+    block is one 16 x 16 x BK dot per slice. q and k enter raw; the row norms, scale and beta are applied
+    to each finished block.
     """
-    tl.static_assert(BT == 4 * BC)
     i_t = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_i = tl.program_id(1)
+    i_bh = tl.program_id(2)
     i_b = i_bh // H
     i_h = i_bh % H
     n_live = T - i_t * BT
     tok0 = i_b.to(tl.int64) * T + i_t * BT
-    slab = (i_bh.to(tl.int64) * NT + i_t) * BT
     q0, k0, g0 = q + tok0 * S_Q + i_h * K, k + tok0 * S_K + i_h * K, g + tok0 * S_G + i_h * K
-    b0 = beta + tok0 * H + i_h
-    Ti += slab * BT
-    Aq += slab * BT
+    i = tl.arange(0, BC)
+    rows = (i_bh.to(tl.int64) * NT + i_t) * BT + i_i * BC      # this block's first row of Ak, Aq
+    Ak += rows * BT
+    Aq += rows * BT
+    B0 = i_i * BC
+    b_beta = tl.load(beta + tok0 * H + i_h + (B0 + i) * H, mask=B0 + i < n_live, other=0.).to(tl.float32)
 
-    # Two passes over the column slices, Akk's blocks then Aqk's: one set of ten accumulators lives at a time
-    # (both at once spill). Each pass uses only its half of `_intra_block`'s results; the rest compiles away.
-    z = tl.zeros([BC, BC], dtype=tl.float32)
-    zr = tl.zeros([BC], dtype=tl.float32)
-    A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = z, z, z, z, z, z, z, z, z, z
-    sq0, sq1, sq2, sq3, sk0, sk1, sk2, sk3 = zr, zr, zr, zr, zr, zr, zr, zr   # the rows' squares
+    A_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    A_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    ss_q = tl.zeros([BC], dtype=tl.float32)
+    ss_k = tl.zeros([BC], dtype=tl.float32)
     for kk in range(0, K, BK):
-        _, ke0, kc0, gs0, a, _, x, y = _intra_block(q0 + kk, k0 + kk, g0 + kk, n_live, 0 * BC, BC, BK, LOG2_BC,
-                                                    PREC, S_Q, S_K, S_G)
-        A00, sq0, sk0 = A00 + a, sq0 + x, sk0 + y
-        _, ke1, kc1, gs1, a, _, x, y = _intra_block(q0 + kk, k0 + kk, g0 + kk, n_live, 1 * BC, BC, BK, LOG2_BC,
-                                                    PREC, S_Q, S_K, S_G)
-        A11, sq1, sk1 = A11 + a, sq1 + x, sk1 + y
-        A10 += tl.dot(ke1, tl.trans(kc0), input_precision=PREC)
-        _, ke2, kc2, gs2, a, _, x, y = _intra_block(q0 + kk, k0 + kk, g0 + kk, n_live, 2 * BC, BC, BK, LOG2_BC,
-                                                    PREC, S_Q, S_K, S_G)
-        A22, sq2, sk2 = A22 + a, sq2 + x, sk2 + y
-        A21 += tl.dot(ke2, tl.trans(kc1), input_precision=PREC)
-        A20 += tl.dot(ke2 * tl.exp(gs1)[None, :], tl.trans(kc0), input_precision=PREC)
-        _, ke3, kc3, gs3, a, _, x, y = _intra_block(q0 + kk, k0 + kk, g0 + kk, n_live, 3 * BC, BC, BK, LOG2_BC,
-                                                    PREC, S_Q, S_K, S_G)
-        A33, sq3, sk3 = A33 + a, sq3 + x, sk3 + y
-        A32 += tl.dot(ke3, tl.trans(kc2), input_precision=PREC)
-        A31 += tl.dot(ke3 * tl.exp(gs2)[None, :], tl.trans(kc1), input_precision=PREC)
-        A30 += tl.dot(ke3 * tl.exp(gs1 + gs2)[None, :], tl.trans(kc0), input_precision=PREC)
+        q_b, k_b, g_b = _block_tiles(q0, k0, g0, n_live, B0, kk, BC, BK, S_Q, S_K, S_G)
+        for lvl in range(LOG2_BC):
+            a_kk, a_qk = _level_pairs(q_b, k_b, g_b, 1 << lvl, BC, PREC)
+            A_kk += a_kk
+            A_qk += a_qk
+        A_qk += tl.where(i[:, None] == i[None, :], tl.sum(q_b * k_b, axis=1)[:, None], 0.)
+        ss_q += tl.sum(q_b * q_b, axis=1)
+        ss_k += tl.sum(k_b * k_b, axis=1)
+    f_q = tl.zeros([BC], dtype=tl.float32) + scale
+    f_k = tl.zeros([BC], dtype=tl.float32) + 1.
+    if L2NORM:
+        f_q = f_q / tl.sqrt(ss_q + 1e-6)
+        f_k = f_k / tl.sqrt(ss_k + 1e-6)
+    _store_block(Ak, A_kk * (b_beta * f_k)[:, None] * f_k[None, :], 0, B0, BT, BC)
+    _store_block(Aq, A_qk * f_q[:, None] * f_k[None, :], 0, B0, BT, BC)
 
-    fq0, fk0, bt0 = _block_factors(b0, n_live, scale, sq0, sk0, 0 * BC, H, BC, L2NORM)
-    fq1, fk1, bt1 = _block_factors(b0, n_live, scale, sq1, sk1, 1 * BC, H, BC, L2NORM)
-    fq2, fk2, bt2 = _block_factors(b0, n_live, scale, sq2, sk2, 2 * BC, H, BC, L2NORM)
-    fq3, fk3, bt3 = _block_factors(b0, n_live, scale, sq3, sk3, 3 * BC, H, BC, L2NORM)
-    # Akk_ij[t, s] *= beta_t f_k[t] f_k[s];  Aqk_ij[t, s] *= f_q[t] f_k[s]
-    c0, c1, c2, c3 = fk0[None, :], fk1[None, :], fk2[None, :], fk3[None, :]
-    kr1, kr2, kr3 = (bt1 * fk1)[:, None], (bt2 * fk2)[:, None], (bt3 * fk3)[:, None]
-    T00 = _unit_lower_inverse(A00 * (bt0 * fk0)[:, None] * c0, BC, LOG2_BC, PREC)
-    T11 = _unit_lower_inverse(A11 * kr1 * c1, BC, LOG2_BC, PREC)
-    A10 = A10 * kr1 * c0
-    T10 = -tl.dot(T11, tl.dot(A10, T00, input_precision=PREC), input_precision=PREC)
-    T22 = _unit_lower_inverse(A22 * kr2 * c2, BC, LOG2_BC, PREC)
-    A20, A21 = A20 * kr2 * c0, A21 * kr2 * c1
-    T21 = -tl.dot(T22, tl.dot(A21, T11, input_precision=PREC), input_precision=PREC)
-    T20 = -tl.dot(T22, tl.dot(A20, T00, input_precision=PREC) + tl.dot(A21, T10, input_precision=PREC),
-                  input_precision=PREC)
-    T33 = _unit_lower_inverse(A33 * kr3 * c3, BC, LOG2_BC, PREC)
-    A30, A31, A32 = A30 * kr3 * c0, A31 * kr3 * c1, A32 * kr3 * c2
-    T32 = -tl.dot(T33, tl.dot(A32, T22, input_precision=PREC), input_precision=PREC)
-    T31 = -tl.dot(T33, tl.dot(A31, T11, input_precision=PREC) + tl.dot(A32, T21, input_precision=PREC),
-                  input_precision=PREC)
-    T30 = -tl.dot(T33, tl.dot(A30, T00, input_precision=PREC) + tl.dot(A31, T10, input_precision=PREC)
-                  + tl.dot(A32, T20, input_precision=PREC), input_precision=PREC)
-    _store_block(Ti, T00, 0, 0, BT, BC)
-    _store_block(Ti, T10, 1, 0, BT, BC)
-    _store_block(Ti, T11, 1, 1, BT, BC)
-    _store_block(Ti, T20, 2, 0, BT, BC)
-    _store_block(Ti, T21, 2, 1, BT, BC)
-    _store_block(Ti, T22, 2, 2, BT, BC)
-    _store_block(Ti, T30, 3, 0, BT, BC)
-    _store_block(Ti, T31, 3, 1, BT, BC)
-    _store_block(Ti, T32, 3, 2, BT, BC)
-    _store_block(Ti, T33, 3, 3, BT, BC)
-
-    Q00, Q10, Q11, Q20, Q21, Q22, Q30, Q31, Q32, Q33 = z, z, z, z, z, z, z, z, z, z
-    for kk in range(0, K, BK):
-        qe0, _, kc0, gs0, _, b, _, _ = _intra_block(q0 + kk, k0 + kk, g0 + kk, n_live, 0 * BC, BC, BK, LOG2_BC,
-                                                    PREC, S_Q, S_K, S_G)
-        Q00 += b
-        qe1, _, kc1, gs1, _, b, _, _ = _intra_block(q0 + kk, k0 + kk, g0 + kk, n_live, 1 * BC, BC, BK, LOG2_BC,
-                                                    PREC, S_Q, S_K, S_G)
-        Q11 += b
-        Q10 += tl.dot(qe1, tl.trans(kc0), input_precision=PREC)
-        qe2, _, kc2, gs2, _, b, _, _ = _intra_block(q0 + kk, k0 + kk, g0 + kk, n_live, 2 * BC, BC, BK, LOG2_BC,
-                                                    PREC, S_Q, S_K, S_G)
-        Q22 += b
-        Q21 += tl.dot(qe2, tl.trans(kc1), input_precision=PREC)
-        Q20 += tl.dot(qe2 * tl.exp(gs1)[None, :], tl.trans(kc0), input_precision=PREC)
-        qe3, _, kc3, gs3, _, b, _, _ = _intra_block(q0 + kk, k0 + kk, g0 + kk, n_live, 3 * BC, BC, BK, LOG2_BC,
-                                                    PREC, S_Q, S_K, S_G)
-        Q33 += b
-        Q32 += tl.dot(qe3, tl.trans(kc2), input_precision=PREC)
-        Q31 += tl.dot(qe3 * tl.exp(gs2)[None, :], tl.trans(kc1), input_precision=PREC)
-        Q30 += tl.dot(qe3 * tl.exp(gs1 + gs2)[None, :], tl.trans(kc0), input_precision=PREC)
-    qr0, qr1, qr2, qr3 = fq0[:, None], fq1[:, None], fq2[:, None], fq3[:, None]
-    _store_block(Aq, Q00 * qr0 * c0, 0, 0, BT, BC)
-    _store_block(Aq, Q10 * qr1 * c0, 1, 0, BT, BC)
-    _store_block(Aq, Q11 * qr1 * c1, 1, 1, BT, BC)
-    _store_block(Aq, Q20 * qr2 * c0, 2, 0, BT, BC)
-    _store_block(Aq, Q21 * qr2 * c1, 2, 1, BT, BC)
-    _store_block(Aq, Q22 * qr2 * c2, 2, 2, BT, BC)
-    _store_block(Aq, Q30 * qr3 * c0, 3, 0, BT, BC)
-    _store_block(Aq, Q31 * qr3 * c1, 3, 1, BT, BC)
-    _store_block(Aq, Q32 * qr3 * c2, 3, 2, BT, BC)
-    _store_block(Aq, Q33 * qr3 * c3, 3, 3, BT, BC)
+    r64 = tl.arange(0, BT)
+    j = 0
+    while j < i_i:  # a while loop: the interpreter cannot iterate range() over a runtime bound
+        J0 = j * BC
+        A_kk = tl.zeros([BC, BC], dtype=tl.float32)
+        A_qk = tl.zeros([BC, BC], dtype=tl.float32)
+        ss_j = tl.zeros([BC], dtype=tl.float32)
+        for kk in range(0, K, BK):
+            q_b, k_b, g_b = _block_tiles(q0, k0, g0, n_live, B0, kk, BC, BK, S_Q, S_K, S_G)
+            e_L = tl.exp(tl.cumsum(g_b, axis=0))          # g_(R+1) + ... + g_t
+            _, k_j, _ = _block_tiles(q0, k0, g0, n_live, J0, kk, BC, BK, S_Q, S_K, S_G)
+            # g of row s+1 within block j (zero at its end), then the rows of the blocks between j and i
+            rn = J0 + 1 + i
+            c = kk + tl.arange(0, BK)
+            g_n = tl.load(g0 + rn[:, None] * S_G + c[None, :], mask=((rn < J0 + BC) & (rn < n_live))[:, None],
+                          other=0.).to(tl.float32)
+            between = (r64 >= J0 + BC) & (r64 < B0) & (r64 < n_live)
+            g_mid = tl.sum(tl.load(g0 + r64[:, None] * S_G + c[None, :], mask=between[:, None], other=0.), axis=0)
+            k_c = k_j * tl.exp(tl.cumsum(g_n, axis=0, reverse=True) + g_mid[None, :])   # ... + g_R
+            A_kk += tl.dot(k_b * e_L, tl.trans(k_c), input_precision=PREC)
+            A_qk += tl.dot(q_b * e_L, tl.trans(k_c), input_precision=PREC)
+            ss_j += tl.sum(k_j * k_j, axis=1)
+        f_j = tl.zeros([BC], dtype=tl.float32) + 1.
+        if L2NORM:
+            f_j = f_j / tl.sqrt(ss_j + 1e-6)
+        _store_block(Ak, A_kk * (b_beta * f_k)[:, None] * f_j[None, :], 0, J0, BT, BC)
+        _store_block(Aq, A_qk * f_q[:, None] * f_j[None, :], 0, J0, BT, BC)
+        j += 1
 
 
 @triton.jit
-def _kda_chunk_wy_kernel(q, k, v, g, beta, Ti, Aq, w, qw, kd, u, ou, eglast, T, NT, scale,
+def _kda_chunk_wy_kernel(q, k, v, g, beta, Ak, Aq, w, qw, kd, u, ou, eglast, T, NT, scale,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                         BK: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+                         BK: tl.constexpr, LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
                          S_Q: tl.constexpr, S_K: tl.constexpr, S_V: tl.constexpr, S_G: tl.constexpr):
-    """Second half of prep="blocked": the recurrence's operands (`_chunk_outputs`) from the T and Aqk that
-    `_kda_chunk_intra_kernel` wrote (their lower block triangles; the rest loads as 0). Grid (NT, B*H)."""
+    """Second kernel of prep="blocked": T = (I + Akk)^-1 (`_unit_lower_inverse`) and the recurrence's
+    operands (`_chunk_outputs`) from the Akk and Aqk `_kda_chunk_intra_kernel` wrote (their lower block
+    triangles; the blocks above load as 0). Grid (NT, B*H)."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -418,7 +353,7 @@ def _kda_chunk_wy_kernel(q, k, v, g, beta, Ti, Aq, w, qw, kd, u, ou, eglast, T, 
     f_q, f_k = _row_factors(q0, k0, n_live, scale, S_Q, S_K, BT, BK, K, L2NORM)
     tri = (r[None, :] // BC) <= (r[:, None] // BC)
     at = slab * BT + r[:, None] * BT + r[None, :]
-    Tm = tl.load(Ti + at, mask=tri, other=0.).to(tl.float32)
+    Tm = _unit_lower_inverse(tl.load(Ak + at, mask=tri, other=0.), BT, LOG2_BT, PREC)
     Aqk = tl.load(Aq + at, mask=tri, other=0.).to(tl.float32)
     _chunk_outputs(q0, k0, g0, v0, f_q, f_k, b_beta, Tm, Aqk, w, qw, kd, u, ou, eglast, slab,
                    i_bh.to(tl.int64) * NT + i_t, n_live, S_Q, S_K, S_V, S_G, K, V, BT, BK, PREC)
@@ -556,12 +491,14 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
                                          L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
                                          num_warps=_PREP_WARPS)
     else:
-        Ti, Aq = (mt.empty(BH, NT * CHUNK, CHUNK, dtype=store, device=dev) for _ in range(2))
-        _kda_chunk_intra_kernel[(NT, BH)](q, k, g, beta, Ti, Aq, T, NT, scale, H=H, K=K, BT=CHUNK, BC=_BC,
-                                          BK=min(_INTRA_SLICE, K), LOG2_BC=_LOG2_BC, L2NORM=bool(l2norm_qk), PREC=prec,
-                                          S_Q=s_q, S_K=s_k, S_G=s_g, num_warps=_INTRA_WARPS)
-        _kda_chunk_wy_kernel[(NT, BH)](q, k, v, g, beta, Ti, Aq, w, qw, kd, u, ou, eglast, T, NT, scale,
-                                       H=H, K=K, V=V, BT=CHUNK, BC=_BC, BK=min(_SLICE, K, V),
+        Ak = mt.empty(BH, NT * CHUNK, CHUNK, dtype=torch.float32, device=dev)  # inverted in fp32
+        Aq = mt.empty(BH, NT * CHUNK, CHUNK, dtype=store, device=dev)
+        _kda_chunk_intra_kernel[(NT, CHUNK // _BC, BH)](q, k, g, beta, Ak, Aq, T, NT, scale, H=H, K=K, BT=CHUNK,
+                                                        BC=_BC, BK=min(_INTRA_SLICE, K), LOG2_BC=_LOG2_BC,
+                                                        L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k,
+                                                        S_G=s_g, num_warps=_INTRA_WARPS)
+        _kda_chunk_wy_kernel[(NT, BH)](q, k, v, g, beta, Ak, Aq, w, qw, kd, u, ou, eglast, T, NT, scale,
+                                       H=H, K=K, V=V, BT=CHUNK, BC=_BC, BK=min(_SLICE, K, V), LOG2_BT=_LOG2_CHUNK,
                                        L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
                                        num_warps=_WY_WARPS)
     BV = min(V, _BV)
