@@ -1,8 +1,8 @@
 """Kernel speed: our Triton kernels against a peer on the same inputs, in one process.
 
     python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine]
-        [--chunk-T 1024,8192,32768] [--chunk-prep level,blocked] [--decode-B 1,8,64] [--mla-T 1024,32768,131072]
-        [--prefill-T 8192] [--rep-ms 200]
+        [--chunk-T 1024,8192,32768] [--chunk-prep level,blocked] [--chunk-kernels] [--decode-B 1,8,64]
+        [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
 
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
@@ -10,6 +10,7 @@ FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=
 - chunk prefill, batch 1, fp32 initial state: our `chunk_kda_fwd` vs fla's `chunk_kda`, both L2-normalising
   q/k in the kernel and taking the same q, k, v, g (log decay, fp32) and beta (after the sigmoid); with
   --chunk-prep, one record per prep path of ours (params "prep", model/triton/kda_chunk.py), fla timed in each;
+  --chunk-kernels adds each side's GPU time per kernel (`kernel_us`, a split of the time, not a timing);
 - decode step, one token per sequence: our whole step in one launch (conv-tap update, conv + SiLU, gate,
   beta, L2 norm, state update, output, gated output RMSNorm) vs fla's `fused_recurrent_kda` call alone (given
   the post-conv q/k/v, the gate and beta, L2 norm in its kernel). The issue's target compares exactly these.
@@ -120,7 +121,21 @@ def gate_inputs(B, T, gen):
     return kda.kda_gate(f, A_log, dt_bias, D), beta
 
 
-def chunk_case(T: int, peer, rep_ms: int, prep: str) -> tuple[dict, list[str]]:
+def kernel_us(fn, n: int = 20) -> dict[str, float]:
+    """Mean GPU microseconds per call of each kernel fn launches (torch.profiler, L2 not flushed): how a
+    do_bench time splits across kernels, not a time to compare."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: round(e.self_device_time_total / n, 2) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0}
+
+
+def chunk_case(T: int, peer, rep_ms: int, prep: str, per_kernel: bool = False) -> tuple[dict, list[str]]:
     from model.triton.kda_chunk import chunk_kda_fwd
     gen = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(1, T, H, D, generator=gen).cuda().to(DTYPE) for _ in range(3))
@@ -134,6 +149,7 @@ def chunk_case(T: int, peer, rep_ms: int, prep: str) -> tuple[dict, list[str]]:
     res, reasons = {"ours_ms": gpu_ms(ours, rep_ms)}, []
     if not (torch.isfinite(o).all() and torch.isfinite(ht).all()):
         reasons.append("ours produced non-finite values")
+    sides = {"ours": ours}
     if peer is not None:
         def theirs():
             return peer[0](q, k, v, g, beta, scale=D ** -0.5, initial_state=h0, output_final_state=True,
@@ -141,6 +157,12 @@ def chunk_case(T: int, peer, rep_ms: int, prep: str) -> tuple[dict, list[str]]:
 
         time_peer(theirs, lambda out: {"rel_err_vs_peer": rel_err(o, out[0]),
                                        "state_rel_err_vs_peer": rel_err(ht, out[1])}, res, reasons, rep_ms)
+        sides["peer"] = theirs
+    for side, fn in sides.items() if per_kernel else ():
+        try:  # a breakdown, not a verdict: its failure is noted and leaves the record as it is
+            res[f"{side}_kernel_us"] = kernel_us(fn)
+        except Exception as e:
+            res[f"{side}_kernel_us_error"] = f"{type(e).__name__}: {e}"
     return res, reasons
 
 
@@ -319,7 +341,8 @@ def combine_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
 TORCH_PEER_CASES = {"causal_conv1d": conv_case, "moe_combine": combine_case}
 
 
-def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int, prep: str | None = None) -> dict:
+def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int, prep: str | None = None,
+             per_kernel: bool = False) -> dict:
     from records import store
     params = {"op": op, "B": B, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
     if op == "chunk_kda":
@@ -339,7 +362,7 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
         elif op in TORCH_PEER_CASES:
             results, reasons = TORCH_PEER_CASES[op](T, rep_ms)
         elif op == "chunk_kda":
-            results, reasons = chunk_case(T, peer, rep_ms, prep)
+            results, reasons = chunk_case(T, peer, rep_ms, prep, per_kernel)
         else:
             results, reasons = decode_case(B, peer, rep_ms)
     except Exception as e:  # one failing shape must not end the run
@@ -654,6 +677,8 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk-prep", default="",
                     help="chunk_kda: comma-separated prep paths of ours to time, each against fla in its own record "
                          "(level, blocked; default: kda_chunk.PREP alone)")
+    ap.add_argument("--chunk-kernels", action="store_true",
+                    help="chunk_kda: also record each side's time per kernel (torch.profiler), ours_kernel_us etc.")
     ap.add_argument("--decode-B", default="1,8,64")
     ap.add_argument("--mla-T", default="1024,32768,131072", help="mla_decode contexts (batch 1)")
     ap.add_argument("--prefill-T", default="8192", help="token counts for the causal_conv1d and moe_combine cases")
@@ -677,7 +702,7 @@ def main(argv=None) -> None:
     preps = [p for p in args.chunk_prep.split(",") if p] or [kda_chunk.PREP]
     if set(preps) - set(kda_chunk.PREPS):
         raise SystemExit(f"unknown --chunk-prep {sorted(set(preps) - set(kda_chunk.PREPS))}")
-    recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms, prep)
+    recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms, prep, args.chunk_kernels)
             for T in args.chunk_T.split(",") if T and "chunk_kda" in ops for prep in preps]
     recs += [run_case("kda_decode_step", int(B), 1, peer, peer_missing, args.rep_ms)
              for B in args.decode_B.split(",") if B and "kda_decode_step" in ops]

@@ -8,7 +8,7 @@ Two stages, both per (batch, head):
      rows of Akk and Aqk (fp32 Akk; Aqk in the stored dtype, see "Precision") by 16 x 16 blocks, then
      `_kda_chunk_wy_kernel`, one program per chunk, inverts Akk and forms the five operands. fla's split
      (intra kernels on small blocks, then the WY step); the first is many short programs instead of one
-     long chain of steps. It compiles for sm_90 without spills in the intra kernel, 16 B in the other.
+     long chain of steps. It compiles for sm_90 without spills in the intra kernel, 24 B in the other.
    Prep does everything that does not need the state: q/k L2 norm, the intra-chunk matrices Akk/Aqk with their
    pairwise decays, the UT-transform solve T = (I + Akk)^-1, and folds the results into five per-chunk
    operands of the state recurrence ([B*H, NT*BT, D] so a chunk is one contiguous slab; fp32 for fp32
@@ -55,7 +55,7 @@ _BC = 16           # rows of a block
 _LOG2_BC = 4
 _INTRA_SLICE = 32  # columns per step of the intra kernel (168 registers; 64 takes 246)
 _INTRA_WARPS = 4
-_WY_WARPS = 4      # 16 B of spills, as the 4-warp "level" kernel that timed faster than its 8-warp twin
+_WY_WARPS = 4      # 24 B of spills (none at 8 warps; the 4-warp "level" kernel timed faster than its 8-warp twin)
 PREPS = ("level", "blocked")
 PREP = "level"  # the prep path chunk_kda_fwd takes by default
 _SCAN_WARPS = 8
@@ -126,15 +126,14 @@ def _row_factors(q0, k0, n_live, scale, S_Q: tl.constexpr, S_K: tl.constexpr, BT
 
 
 @triton.jit
-def _unit_lower_inverse(A, BT: tl.constexpr, LOG2_BT: tl.constexpr, PREC: tl.constexpr):
+def _unit_lower_inverse(A, Tm, LVL0: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 for A [BT, BT] strictly lower triangular, by block doubling: with Tb the inverse of the
     block-diagonal part (blocks of `half`) and L the lower-left block of each 2*half-block of A, the inverse
-    with blocks of 2*half is Tb - Tb L Tb; from Tb = I, LOG2_BT levels give the whole inverse, every step
-    an exact 2x2 block inverse (no series)."""
+    with blocks of 2*half is Tb - Tb L Tb, an exact 2x2 block inverse (no series). Tm is Tb for blocks of
+    2^LVL0 (the identity for LVL0 = 0); levels LVL0 .. LOG2_BT-1 give the whole inverse."""
     r = tl.arange(0, BT)
     c = tl.arange(0, BT)
-    Tm = (r[:, None] == c[None, :]).to(tl.float32)
-    for lvl in range(LOG2_BT):
+    for lvl in range(LVL0, LOG2_BT):
         half = 1 << lvl
         coupling = (r[:, None] // (2 * half) == c[None, :] // (2 * half)) & (r[:, None] // half != c[None, :] // half)
         L = tl.where(coupling, A, 0.)
@@ -221,7 +220,8 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
             Akk += A_kk
             Aqk += A_qk
         Aqk += tl.where(r[:, None] == c[None, :], tl.sum(q_s * k_s, axis=1)[:, None], 0.)
-    Tm = _unit_lower_inverse(Akk * b_beta[:, None], BT, LOG2_BT, PREC)
+    eye = (r[:, None] == c[None, :]).to(tl.float32)
+    Tm = _unit_lower_inverse(Akk * b_beta[:, None], eye, 0, BT, LOG2_BT, PREC)
     _chunk_outputs(q0, k0, g0, v0, f_q, f_k, b_beta, Tm, Aqk, w, qw, kd, u, ou, eglast, slab,
                    i_bh.to(tl.int64) * NT + i_t, n_live, S_Q, S_K, S_V, S_G, K, V, BT, BK, PREC)
 
@@ -253,8 +253,9 @@ def _kda_chunk_intra_kernel(q, k, g, beta, Ak, Aq, T, NT, scale,
                             S_Q: tl.constexpr, S_K: tl.constexpr, S_G: tl.constexpr):
     """First kernel of prep="blocked": one row block (BC = 16 rows) of Akk (times beta) and of Aqk of one
     chunk, written as blocks (i, 0..i) of the [B*H, NT*BT, BT] matrices Ak, Aq (blocks above the diagonal
-    are never written nor read). Grid (NT, BT // BC, B*H): many small programs, as fla runs its intra
-    kernels, rather than one long chain of small steps per chunk.
+    are never written nor read); Ak's diagonal block holds (I + Akk_ii)^-1 rather than Akk_ii.
+    Grid (NT, BT // BC, B*H): many small programs, as fla runs its intra kernels, rather than one long
+    chain of small steps per chunk.
 
     Diagonal block (i, i): the level pairs (`_level_pairs`) within its 16 rows, per slice of BK columns.
     Off-diagonal block (i, j), j < i: with the reference row R = 16 i - 1 inside every span (s, t]
@@ -298,7 +299,10 @@ def _kda_chunk_intra_kernel(q, k, g, beta, Ak, Aq, T, NT, scale,
     if L2NORM:
         f_q = f_q / tl.sqrt(ss_q + 1e-6)
         f_k = f_k / tl.sqrt(ss_k + 1e-6)
-    _store_block(Ak, A_kk * (b_beta * f_k)[:, None] * f_k[None, :], 0, B0, BT, BC)
+    # the diagonal block is stored inverted, (I + A_ii)^-1: the wy kernel starts its inverse from there
+    eye = (i[:, None] == i[None, :]).to(tl.float32)
+    _store_block(Ak, _unit_lower_inverse(A_kk * (b_beta * f_k)[:, None] * f_k[None, :], eye, 0, BC, LOG2_BC, PREC),
+                 0, B0, BT, BC)
     _store_block(Aq, A_qk * f_q[:, None] * f_k[None, :], 0, B0, BT, BC)
 
     r64 = tl.arange(0, BT)
@@ -334,11 +338,13 @@ def _kda_chunk_intra_kernel(q, k, g, beta, Ak, Aq, T, NT, scale,
 @triton.jit
 def _kda_chunk_wy_kernel(q, k, v, g, beta, Ak, Aq, w, qw, kd, u, ou, eglast, T, NT, scale,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                         BK: tl.constexpr, LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+                         BK: tl.constexpr, LOG2_BC: tl.constexpr, LOG2_BT: tl.constexpr, L2NORM: tl.constexpr,
+                         PREC: tl.constexpr,
                          S_Q: tl.constexpr, S_K: tl.constexpr, S_V: tl.constexpr, S_G: tl.constexpr):
-    """Second kernel of prep="blocked": T = (I + Akk)^-1 (`_unit_lower_inverse`) and the recurrence's
-    operands (`_chunk_outputs`) from the Akk and Aqk `_kda_chunk_intra_kernel` wrote (their lower block
-    triangles; the blocks above load as 0). Grid (NT, B*H)."""
+    """Second kernel of prep="blocked": T = (I + Akk)^-1 (`_unit_lower_inverse`, from the inverted 16 x 16
+    diagonal blocks up: two levels of 64 x 64 dots instead of six) and the recurrence's operands
+    (`_chunk_outputs`) from what `_kda_chunk_intra_kernel` wrote (lower block triangles; the blocks above
+    load as 0). Grid (NT, B*H)."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -352,8 +358,10 @@ def _kda_chunk_wy_kernel(q, k, v, g, beta, Ak, Aq, w, qw, kd, u, ou, eglast, T, 
     b_beta = tl.load(beta + tok0 * H + i_h + r * H, mask=r < n_live, other=0.).to(tl.float32)
     f_q, f_k = _row_factors(q0, k0, n_live, scale, S_Q, S_K, BT, BK, K, L2NORM)
     tri = (r[None, :] // BC) <= (r[:, None] // BC)
+    diag = (r[None, :] // BC) == (r[:, None] // BC)
     at = slab * BT + r[:, None] * BT + r[None, :]
-    Tm = _unit_lower_inverse(tl.load(Ak + at, mask=tri, other=0.), BT, LOG2_BT, PREC)
+    A = tl.load(Ak + at, mask=tri, other=0.)
+    Tm = _unit_lower_inverse(tl.where(diag, 0., A), tl.where(diag, A, 0.), LOG2_BC, BT, LOG2_BT, PREC)
     Aqk = tl.load(Aq + at, mask=tri, other=0.).to(tl.float32)
     _chunk_outputs(q0, k0, g0, v0, f_q, f_k, b_beta, Tm, Aqk, w, qw, kd, u, ou, eglast, slab,
                    i_bh.to(tl.int64) * NT + i_t, n_live, S_Q, S_K, S_V, S_G, K, V, BT, BK, PREC)
@@ -498,7 +506,8 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
                                                         L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k,
                                                         S_G=s_g, num_warps=_INTRA_WARPS)
         _kda_chunk_wy_kernel[(NT, BH)](q, k, v, g, beta, Ak, Aq, w, qw, kd, u, ou, eglast, T, NT, scale,
-                                       H=H, K=K, V=V, BT=CHUNK, BC=_BC, BK=min(_SLICE, K, V), LOG2_BT=_LOG2_CHUNK,
+                                       H=H, K=K, V=V, BT=CHUNK, BC=_BC, BK=min(_SLICE, K, V), LOG2_BC=_LOG2_BC,
+                                       LOG2_BT=_LOG2_CHUNK,
                                        L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
                                        num_warps=_WY_WARPS)
     BV = min(V, _BV)
