@@ -1,13 +1,16 @@
 """Kernel speed: our Triton kernels against a peer on the same inputs, in one process.
 
     python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine]
-        [--chunk-T 1024,8192,32768] [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
+        [--chunk-T 1024,8192,32768] [--chunk-prep level,blocked] [--chunk-kernels] [--decode-B 1,8,64]
+        [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
 
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
 FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=32 heads, head dim 128, bf16.
 - chunk prefill, batch 1, fp32 initial state: our `chunk_kda_fwd` vs fla's `chunk_kda`, both L2-normalising
-  q/k in the kernel and taking the same q, k, v, g (log decay, fp32) and beta (after the sigmoid);
+  q/k in the kernel and taking the same q, k, v, g (log decay, fp32) and beta (after the sigmoid); with
+  --chunk-prep, one record per prep path of ours (params "prep", model/triton/kda_chunk.py), fla timed in each;
+  --chunk-kernels adds each side's GPU time per kernel (`kernel_us`, a split of the time, not a timing);
 - decode step, one token per sequence: our whole step in one launch (conv-tap update, conv + SiLU, gate,
   beta, L2 norm, state update, output, gated output RMSNorm) vs fla's `fused_recurrent_kda` call alone (given
   the post-conv q/k/v, the gate and beta, L2 norm in its kernel). The issue's target compares exactly these.
@@ -150,7 +153,21 @@ def gate_inputs(B, T, gen):
     return kda.kda_gate(f, A_log, dt_bias, D), beta
 
 
-def chunk_case(T: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
+def kernel_us(fn, n: int = 20) -> dict[str, float]:
+    """Mean GPU microseconds per call of each kernel fn launches (torch.profiler, L2 not flushed): how a
+    do_bench time splits across kernels, not a time to compare."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: round(e.self_device_time_total / n, 2) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0}
+
+
+def chunk_case(T: int, peer, rep_ms: int, prep: str, per_kernel: bool = False) -> tuple[dict, list[str]]:
     from model.triton.kda_chunk import chunk_kda_fwd
     gen = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(1, T, H, D, generator=gen).cuda().to(DTYPE) for _ in range(3))
@@ -158,12 +175,13 @@ def chunk_case(T: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
     h0 = torch.randn(1, H, D, D, generator=gen).cuda()
 
     def ours():
-        return chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        return chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True, prep=prep)
 
     o, ht = ours()
     res, reasons = {"ours_ms": gpu_ms(ours, rep_ms)}, []
     if not (torch.isfinite(o).all() and torch.isfinite(ht).all()):
         reasons.append("ours produced non-finite values")
+    sides = {"ours": ours}
     if peer is not None:
         def theirs():
             return peer[0](q, k, v, g, beta, scale=D ** -0.5, initial_state=h0, output_final_state=True,
@@ -171,6 +189,12 @@ def chunk_case(T: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
 
         time_peer(theirs, lambda out: {"rel_err_vs_peer": rel_err(o, out[0]),
                                        "state_rel_err_vs_peer": rel_err(ht, out[1])}, res, reasons, rep_ms)
+        sides["peer"] = theirs
+    for side, fn in sides.items() if per_kernel else ():
+        try:  # a breakdown, not a verdict: its failure is noted and leaves the record as it is
+            res[f"{side}_kernel_us"] = kernel_us(fn)
+        except Exception as e:
+            res[f"{side}_kernel_us_error"] = f"{type(e).__name__}: {e}"
     return res, reasons
 
 
@@ -348,9 +372,12 @@ def combine_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
 TORCH_PEER_CASES = {"causal_conv1d": conv_case, "moe_combine": combine_case}
 
 
-def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int) -> dict:
+def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int, prep: str | None = None,
+             per_kernel: bool = False) -> dict:
     from records import store
     params = {"op": op, "B": B, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
+    if op == "chunk_kda":
+        params.update(prep=prep)
     if op == "kda_decode_step":
         params.update(ours_scope="conv-tap update through gated output norm, one launch",
                       peer_scope="fused_recurrent_kda call alone")
@@ -359,15 +386,16 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
                       peer_scope="bf16 einsums + softmax over the whole T-position buffer")
     if op in TORCH_PEER_CASES:
         params.update(peer_scope="the torch form this replaces")
-    log(f"{op} B={B} T={T} ...")
+    log(f"{op} B={B} T={T}{f' prep={prep}' if prep else ''} ...")
     try:
         if op == "mla_decode":
             results, reasons = mla_case(T, rep_ms)
         elif op in TORCH_PEER_CASES:
             results, reasons = TORCH_PEER_CASES[op](T, rep_ms)
+        elif op == "chunk_kda":
+            results, reasons = chunk_case(T, peer, rep_ms, prep, per_kernel)
         else:
-            fn = chunk_case if op == "chunk_kda" else decode_case
-            results, reasons = fn(T if op == "chunk_kda" else B, peer, rep_ms)
+            results, reasons = decode_case(B, peer, rep_ms)
     except Exception as e:  # one failing shape must not end the run
         traceback.print_exc()
         results, reasons = {}, [f"{op} failed: {type(e).__name__}: {e}"]
@@ -403,15 +431,18 @@ def summarize(recs: list[dict]) -> None:
         p, x = r["params"], r["results"]
         ours, theirs = x.get("ours_ms"), x.get("peer_ms")
         line = f"  {p['op']:16s} B={p['B']:<3d} T={p['T']:<6d} ours={_ms(ours)}  {x.get('peer')}={_ms(theirs)}"
+        if p.get("prep"):
+            line += f"  prep={p['prep']}"
         if "speedup" in x:
             line += f"  speedup={x['speedup']:.2f}x  rel_err={x['rel_err_vs_peer']:.2e}"
         log(line + f"  {r['verdict']}")
     for op, key, n, cmp in TARGETS:
-        x = next((r["results"] for r in recs
-                  if r["params"]["op"] == op and r["params"][key] == n and "speedup" in r["results"]), None)
-        if x is not None:
-            met = x["ours_ms"] <= x["peer_ms"] if cmp == "<=" else x["ours_ms"] < x["peer_ms"]
-            log(f"  target {op} {key}={n}: ours {cmp} {x['peer']}: {'MET' if met else 'MISSED'}")
+        for r in recs:
+            x = r["results"]
+            if r["params"]["op"] == op and r["params"][key] == n and "speedup" in x:
+                met = x["ours_ms"] <= x["peer_ms"] if cmp == "<=" else x["ours_ms"] < x["peer_ms"]
+                prep = f" (prep={r['params']['prep']})" if r["params"].get("prep") else ""
+                log(f"  target {op} {key}={n}{prep}: ours {cmp} {x['peer']}: {'MET' if met else 'MISSED'}")
 
 
 # ---- MoE decode: router + routing, expert GEMVs -------------------------------------------------------
@@ -644,6 +675,11 @@ def main(argv=None) -> None:
                     help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, "
                          + ", ".join(TORCH_PEER_CASES))
     ap.add_argument("--chunk-T", default="1024,8192,32768")
+    ap.add_argument("--chunk-prep", default="",
+                    help="chunk_kda: comma-separated prep paths of ours to time, each against fla in its own record "
+                         "(level, blocked; default: kda_chunk.PREP alone)")
+    ap.add_argument("--chunk-kernels", action="store_true",
+                    help="chunk_kda: also record each side's time per kernel (torch.profiler), ours_kernel_us etc.")
     ap.add_argument("--decode-B", default="1,8,64")
     ap.add_argument("--mla-T", default="1024,32768,131072", help="mla_decode contexts (batch 1)")
     ap.add_argument("--prefill-T", default="8192", help="token counts for the causal_conv1d and moe_combine cases")
@@ -663,8 +699,12 @@ def main(argv=None) -> None:
     if {"chunk_kda", "kda_decode_step"} & set(ops):
         peer, peer_missing = load_fla()
         log(f"peer: {f'fla {peer[2]}' if peer else peer_missing}")
-    recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms)
-            for T in args.chunk_T.split(",") if T and "chunk_kda" in ops]
+    from model.triton import kda_chunk
+    preps = [p for p in args.chunk_prep.split(",") if p] or [kda_chunk.PREP]
+    if set(preps) - set(kda_chunk.PREPS):
+        raise SystemExit(f"unknown --chunk-prep {sorted(set(preps) - set(kda_chunk.PREPS))}")
+    recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms, prep, args.chunk_kernels)
+            for T in args.chunk_T.split(",") if T and "chunk_kda" in ops for prep in preps]
     recs += [run_case("kda_decode_step", int(B), 1, peer, peer_missing, args.rep_ms)
              for B in args.decode_B.split(",") if B and "kda_decode_step" in ops]
     if args.decode_sweep and "kda_decode_step" in ops:

@@ -27,7 +27,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import (  # noqa: E402
 
 import model.triton as mt  # noqa: E402
 from model import kda  # noqa: E402
-from model.triton.kda_chunk import chunk_kda_fwd  # noqa: E402
+from model.triton.kda_chunk import PREPS, chunk_kda_fwd  # noqa: E402
 from model.triton.kda_decode import fused_kda_decode  # noqa: E402
 from model.triton.norms import add_rmsnorm, gated_rmsnorm, rmsnorm  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
@@ -131,6 +131,7 @@ def run_decode(inp, **kw):
 
 # ---- chunked prefill ----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("prep", PREPS)  # every chunk test runs both prep paths (model/triton/kda_chunk.py)
 @settings(max_examples=20)
 @example(T=1, B=1, K=16, V=16, regime="minus1000", with_state=True, dtype="fp32", seed=0)
 @example(T=63, B=2, K=32, V=16, regime="minus5", with_state=True, dtype="fp32", seed=1)
@@ -140,9 +141,9 @@ def run_decode(inp, **kw):
 @given(T=st.sampled_from([1, 2, 17, 63, 64, 65, 100, 128, 130]), B=st.integers(1, 2),
        K=st.sampled_from([16, 32]), V=st.sampled_from([16, 32]), regime=st.sampled_from(REGIMES),
        with_state=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**16))
-def test_chunk_matches_torch_and_fp64(T, B, K, V, regime, with_state, dtype, seed):
+def test_chunk_matches_torch_and_fp64(prep, T, B, K, V, regime, with_state, dtype, seed):
     q, k, v, g, beta, h0 = kda_inputs(B, T, 2, K, V, regime, seed, DTYPES[dtype], with_state)
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, prep=prep)
     assert o.dtype == v.dtype and o.shape == v.shape and ht.dtype == torch.float32
     ro, rh = kda.chunk_kda(q, k, v, g, beta, initial_state=h0)
     no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
@@ -159,52 +160,57 @@ def test_chunk_matches_torch_and_fp64(T, B, K, V, regime, with_state, dtype, see
     assert_close(ht, rh, 1e-5 + 2 * rel_err(rh, nh), "state vs torch chunk")
 
 
-def test_chunk_empty_sequence_returns_the_initial_state():
+@pytest.mark.parametrize("prep", PREPS)
+def test_chunk_empty_sequence_returns_the_initial_state(prep):
     q, k, v, g, beta, h0 = kda_inputs(2, 0, 2, 16, 16, "model", 0)
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, prep=prep)
     assert o.shape == (2, 0, 2, 16) and torch.equal(ht, h0)
-    _, ht = chunk_kda_fwd(q, k, v, g, beta)
+    _, ht = chunk_kda_fwd(q, k, v, g, beta, prep=prep)
     assert torch.equal(ht, torch.zeros_like(h0))
 
 
-def test_chunk_without_l2norm_and_explicit_scale():
+@pytest.mark.parametrize("prep", PREPS)
+def test_chunk_without_l2norm_and_explicit_scale(prep):
     q, k, v, g, beta, h0 = kda_inputs(1, 70, 2, 32, 16, "model", 1)
     q, k = kda.l2norm(q), kda.l2norm(k)
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, scale=0.3, initial_state=h0, l2norm_qk=False)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, scale=0.3, initial_state=h0, l2norm_qk=False, prep=prep)
     no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, scale=0.3, initial_state=h0, l2norm_qk=False)
     assert_close(o, no, 1e-5, "o")
     assert_close(ht, nh, 1e-5, "state")
     o2, none = chunk_kda_fwd(q, k, v, g, beta, scale=0.3, initial_state=h0, l2norm_qk=False,
-                             output_final_state=False)
+                             output_final_state=False, prep=prep)
     assert none is None and torch.equal(o2, o)
 
 
+@pytest.mark.parametrize("prep", PREPS)
 @pytest.mark.parametrize("t0", [1, 5, 64, 70, 129])
-def test_chunk_prefix_is_bitwise_blind_to_the_future(t0):
+def test_chunk_prefix_is_bitwise_blind_to_the_future(prep, t0):
     """Changing tokens t >= t0 must not change one bit of the outputs before t0 (chunk-internal leaks)."""
     q, k, v, g, beta, h0 = kda_inputs(1, 130, 2, 32, 32, "model", 7)
-    o, _ = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    o, _ = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, prep=prep)
     q2, k2, v2, g2, beta2, _ = kda_inputs(1, 130, 2, 32, 32, "spikes", 8)
     fut = slice(t0, None)
     for x, y in ((q, q2), (k, k2), (v, v2), (g, g2), (beta, beta2)):
         x[:, fut] = 3 * y[:, fut]
-    o_changed, _ = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    o_changed, _ = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, prep=prep)
     assert torch.equal(o_changed[:, :t0], o[:, :t0])
     assert not torch.equal(o_changed[:, t0:], o[:, t0:])
 
 
-def test_chunk_output_does_not_depend_on_batch_size():
+@pytest.mark.parametrize("prep", PREPS)
+def test_chunk_output_does_not_depend_on_batch_size(prep):
     q, k, v, g, beta, h0 = kda_inputs(3, 70, 2, 16, 16, "model", 3)
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, prep=prep)
     one = slice(1, 2)
-    o1, ht1 = chunk_kda_fwd(q[one], k[one], v[one], g[one], beta[one], initial_state=h0[one])
+    o1, ht1 = chunk_kda_fwd(q[one], k[one], v[one], g[one], beta[one], initial_state=h0[one], prep=prep)
     assert torch.equal(o1, o[one]) and torch.equal(ht1, ht[one])
 
 
+@pytest.mark.parametrize("prep", PREPS)
 @pytest.mark.parametrize("B,T,H,K,dtype", [(1, 70, 2, 32, "fp32"), (2, 65, 2, 32, "bf16"), (2, 1, 1, 32, "fp32"),
                                            (2, 3, 2, 32, "fp32"),
                                            pytest.param(1, 8192, 32, 128, "bf16", marks=[pytest.mark.gpu, gpu])])
-def test_chunk_reads_column_slices_in_place(B, T, H, K, dtype):
+def test_chunk_reads_column_slices_in_place(prep, B, T, H, K, dtype):
     """q, k, v as the column slices of one packed [B, T, 3*H*K + pad] tensor (as the conv output gives them)
     and g as a slice of a wider one are read through their row stride, not copied: the same bits as from
     contiguous copies, and the NaN padding beside them is never read. A slice along T of a batch is not
@@ -216,20 +222,21 @@ def test_chunk_reads_column_slices_in_place(B, T, H, K, dtype):
     qs, ks, vs = (packed[..., i * H * K:(i + 1) * H * K].unflatten(-1, (H, K)) for i in range(3))
     gs = torch.cat([g.flatten(-2), pad], -1)[..., :H * K].unflatten(-1, (H, K))
     assert all(_token_rows(x)[0] is x for x in (qs, ks, vs, gs)) and not qs.is_contiguous()
-    o, ht = chunk_kda_fwd(qs, ks, vs, gs, beta, initial_state=h0)
-    ro, rh = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    o, ht = chunk_kda_fwd(qs, ks, vs, gs, beta, initial_state=h0, prep=prep)
+    ro, rh = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, prep=prep)
     assert torch.isfinite(o).all() and torch.equal(o, ro) and torch.equal(ht, rh)
     if B > 1 and T > 1:
         assert _token_rows(q[:, 1:])[0].is_contiguous()
 
 
+@pytest.mark.parametrize("prep", PREPS)
 @pytest.mark.parametrize("split", [1, 64, 70])
-def test_chunk_prefill_in_two_spans_equals_one(split):
+def test_chunk_prefill_in_two_spans_equals_one(prep, split):
     q, k, v, g, beta, h0 = kda_inputs(2, 130, 2, 32, 16, "model", 4)
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, prep=prep)
     a, b = slice(None, split), slice(split, None)
-    oa, sa = chunk_kda_fwd(q[:, a], k[:, a], v[:, a], g[:, a], beta[:, a], initial_state=h0)
-    ob, sb = chunk_kda_fwd(q[:, b], k[:, b], v[:, b], g[:, b], beta[:, b], initial_state=sa)
+    oa, sa = chunk_kda_fwd(q[:, a], k[:, a], v[:, a], g[:, a], beta[:, a], initial_state=h0, prep=prep)
+    ob, sb = chunk_kda_fwd(q[:, b], k[:, b], v[:, b], g[:, b], beta[:, b], initial_state=sa, prep=prep)
     assert_close(torch.cat([oa, ob], 1), o, 1e-5, "o")
     assert_close(sb, ht, 1e-5, "state")
 
@@ -401,6 +408,8 @@ def test_bad_inputs_get_clear_errors():
         chunk_kda_fwd(q, k, v, g, beta, initial_state=h0.transpose(0, 1))
     with pytest.raises(TypeError, match="float"):
         chunk_kda_fwd(q, k, v.long(), g, beta)
+    with pytest.raises(ValueError, match="prep must be"):
+        chunk_kda_fwd(q, k, v, g, beta, prep="levels")
     inp = decode_inputs(2, 2, 16, 4, torch.float32, 0)
     with pytest.raises(TypeError, match="fp32"):
         run_decode({**inp, "state": inp["state"].bfloat16()})
@@ -434,10 +443,11 @@ def test_control_unwritten_buffers_and_wrong_values_fail_the_check():
         assert_close(ref * 1.001, ref, 1e-5, "scaled")
 
 
-def test_control_dropped_initial_state_is_caught():
+@pytest.mark.parametrize("prep", PREPS)
+def test_control_dropped_initial_state_is_caught(prep):
     q, k, v, g, beta, h0 = kda_inputs(1, 65, 2, 16, 16, "model", 2)
     no, _ = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
-    o, _ = chunk_kda_fwd(q, k, v, g, beta)
+    o, _ = chunk_kda_fwd(q, k, v, g, beta, prep=prep)
     assert rel_err(o, no) > 1e-2
 
 
@@ -510,6 +520,18 @@ def sm90_spills() -> dict:
                             dict(H=32, K=128, V=128, BT=kc.CHUNK, BK=kc._SLICE, LOG2_BT=kc._LOG2_CHUNK,
                                  L2NORM=True, PREC="tf32", S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128,
                                  S_G=32 * 128), num_warps=kc._PREP_WARPS),
+        "intra": stack_bytes(kc._kda_chunk_intra_kernel, {"q": bf, "k": bf, "g": f32, "beta": bf, "Ak": f32, "Aq": bf,
+                                                      "T": "i32", "NT": "i32", "scale": "fp32"},
+                             dict(H=32, K=128, BT=kc.CHUNK, BC=kc._BC, BK=kc._INTRA_SLICE, LOG2_BC=kc._LOG2_BC,
+                                  L2NORM=True, PREC="tf32", S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_G=32 * 128),
+                             num_warps=kc._INTRA_WARPS),
+        "wy": stack_bytes(kc._kda_chunk_wy_kernel, {**dict.fromkeys("qkv", bf), "g": f32, "beta": bf, "Ak": f32,
+                                                "Aq": bf, **dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf),
+                                                "eglast": f32, "T": "i32", "NT": "i32", "scale": "fp32"},
+                          dict(H=32, K=128, V=128, BT=kc.CHUNK, BC=kc._BC, BK=kc._SLICE, LOG2_BC=kc._LOG2_BC,
+                               LOG2_BT=kc._LOG2_CHUNK,
+                               L2NORM=True, PREC="tf32", S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128,
+                               S_G=32 * 128), num_warps=kc._WY_WARPS),
         "scan": stack_bytes(kc._kda_chunk_scan_kernel, {**dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf),
                                                     **dict.fromkeys(["eglast", "h0", "ht"], f32), "o": bf,
                                                     "T": "i32", "NT": "i32"},
@@ -628,6 +650,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["mla_split_fp32"] == 0 and spills["mla_split_min"] == 0, spills
     # measured trade-offs, see model/triton/kda_chunk.py: the 4-warp prep spills and is still the fastest
     assert spills["scan"] <= 16 and spills["prep"] <= 1280, spills
+    assert spills["intra"] == 0 and spills["wy"] <= 24, spills  # prep="blocked"
     assert spills["moe_router"] == 0, spills
     assert spills["conv"] == 0 and spills["moe_combine"] == 0, spills
     assert spills["silu_mul"] == 0, spills
@@ -644,14 +667,15 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+@pytest.mark.parametrize("prep", PREPS)
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 63), (1, 64), (1, 65), (1, 1000), (1, 8192), (1, 65536), (4, 2048),
                                  (64, 65)])
-def test_gpu_chunk_real_shapes(B, T, dtype, no_tf32):
+def test_gpu_chunk_real_shapes(prep, B, T, dtype, no_tf32):
     q, k, v, g, beta, h0 = kda_inputs(B, T, 32, 128, 128, "model", T, DTYPES[dtype])
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, prep=prep)
     ro, rh = kda.chunk_kda(q, k, v, g, beta, initial_state=h0)
     tol = 1e-4 if dtype == "fp32" else 1e-2
     assert_close(o, ro, tol, "o vs torch chunk")
@@ -662,12 +686,13 @@ def test_gpu_chunk_real_shapes(B, T, dtype, no_tf32):
         assert_close(ht, nh, tol, "state vs fp64")
 
 
+@pytest.mark.parametrize("prep", PREPS)
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("regime", ["near0", "minus5", "minus1000", "spikes", "mixed"])
-def test_gpu_chunk_saturated_gates(regime):
+def test_gpu_chunk_saturated_gates(prep, regime):
     q, k, v, g, beta, h0 = kda_inputs(1, 4096, 32, 128, 128, regime, 11)
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, prep=prep)
     no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
     assert_close(o, no, 1e-4, "o vs fp64")
     assert_close(ht, nh, 1e-4, "state vs fp64")

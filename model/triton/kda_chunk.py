@@ -1,16 +1,22 @@
 """Chunked KDA prefill in Triton: the fast twin of `model.kda.chunk_kda` (forward only).
 
-Two kernels, both per (batch, head):
+Two stages, both per (batch, head):
 
-1. `_kda_chunk_prep_kernel`, one program per chunk of BT=64 tokens, all chunks in parallel. It does
-   everything that does not need the state: q/k L2 norm, the intra-chunk matrices Akk/Aqk with their
+1. prep, all chunks of BT=64 tokens in parallel, two paths (`prep=`, default `PREP`):
+   - "level": `_kda_chunk_prep_kernel`, one program per chunk, does it all (below);
+   - "blocked": `_kda_chunk_intra_kernel`, one program per 16-row block of a chunk, writes that block's
+     rows of Akk and Aqk (fp32 Akk; Aqk in the stored dtype, see "Precision") by 16 x 16 blocks, then
+     `_kda_chunk_wy_kernel`, one program per chunk, inverts Akk and forms the five operands. fla's split
+     (intra kernels on small blocks, then the WY step); the first is many short programs instead of one
+     long chain of steps. It compiles for sm_90 without spills in the intra kernel, 24 B in the other.
+   Prep does everything that does not need the state: q/k L2 norm, the intra-chunk matrices Akk/Aqk with their
    pairwise decays, the UT-transform solve T = (I + Akk)^-1, and folds the results into five per-chunk
    operands of the state recurrence ([B*H, NT*BT, D] so a chunk is one contiguous slab; fp32 for fp32
    inputs, bf16 for bf16/fp16 inputs, see "Precision" below):
        w  = T (beta k e^G)            u  = T (beta v)              (G: cumulative log decay in the chunk)
        qw = q e^G - Aqk w             ou = Aqk u
        kd = k e^(G_last - G)          eglast = e^G_last
-2. `_kda_chunk_scan_kernel`, one program per (head, V-block of 32), walking the chunks in order with the
+2. scan: `_kda_chunk_scan_kernel`, one program per (head, V-block of 32), walking the chunks in order with the
    fp32 state S [K, BV] in registers:
        v_new = u - w S;   o = qw S + ou   (= q e^G S + Aqk v_new);   S <- eglast * S + kd^T v_new
 
@@ -22,8 +28,11 @@ each far below what the inputs already carry (bf16: relative 2^-9):
 - the span sums of gates are one tf32 dot: each gate rounded to relative 2^-11, all terms of one sign,
   so a span sum E <= 0 is off by at most 2^-11 |E| and its decay e^E by at most 2^-11 |E| e^E
   <= 2^-11 / e = 1.8e-4 (absolute, for a factor <= 1);
-- w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32.
-Tiles and warps were picked by timing on the H200 (T=8192, 32 heads of 128, bf16): the prep kernel at
+- w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32;
+  prep="blocked" also stores Aqk as bf16 between its two kernels (Akk stays fp32: it is inverted).
+prep="blocked" splits each span (s, t] that crosses 16-row blocks at the end of the block before t's
+(`_kda_chunk_intra_kernel`): a product of two such decays, each exp of a non-positive sum, each <= 1.
+Tiles and warps were picked by timing on the H200 (T=8192, 32 heads of 128, bf16): the "level" kernel at
 64-column slices and 4 warps took 1.39 ms against 1.91 ms at 8 warps, though at 4 warps it spills about
 1.2 KB per thread (264 B at 8 warps); the scan kernel spills 16 B. tests/test_triton_kda.py bounds both
 (compiled offline with Triton's bundled ptxas).
@@ -41,6 +50,14 @@ _LOG2_CHUNK = 6
 _SLICE = 64  # columns of q, k, g, v the prep kernel holds at a time
 _BV = 32     # state columns per scan program
 _PREP_WARPS = 4  # see the module docstring: faster than 8 although it spills more
+# prep="blocked" (untimed yet: picked by the sm_90 compile alone, no spills in intra; wy at 8 warps has none either)
+_BC = 16           # rows of a block
+_LOG2_BC = 4
+_INTRA_SLICE = 32  # columns per step of the intra kernel (168 registers; 64 takes 246)
+_INTRA_WARPS = 4
+_WY_WARPS = 4      # 24 B of spills (none at 8 warps; the 4-warp "level" kernel timed faster than its 8-warp twin)
+PREPS = ("level", "blocked")
+PREP = "level"  # the prep path chunk_kda_fwd takes by default
 _SCAN_WARPS = 8
 
 
@@ -89,47 +106,11 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                       LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
-                       S_Q: tl.constexpr, S_K: tl.constexpr, S_V: tl.constexpr, S_G: tl.constexpr):
-    """Per-chunk, state-free part of chunked KDA. Grid (NT, B*H); one program = one chunk of one head.
-
-    q, k, v, g are read as one row of H heads per token (heads packed, D contiguous) with the row strides
-    S_Q, S_K, S_V, S_G (elements), B*T rows evenly spaced; beta is [B*T, H] contiguous.
-
-    Only the [BT, BT] matrices Akk, Aqk and T stay in registers; q, k, g, v are streamed in [BT, BK]
-    column slices (L1-resident rereads), which keeps the kernel out of register spills. Rows past T load
-    as zeros (g = 0, beta = 0), which makes every output row there exactly zero, so the scan kernel
-    never needs a mask.
-
-    1. row norms of q and k (L2 norm; q also times scale);
-    2. Akk (times beta) and Aqk: the pairs s < t are visited by the highest bit in which t and s
-       differ, one tl.dot per level and slice (`_level_pairs`); the diagonal q_t.k_t is added to Aqk;
-    3. T = (I + Akk)^-1 by block doubling over the same levels: with Tb the inverse of the
-       block-diagonal part (blocks of `half`) and L the pairs of level `half` (lower-left block of
-       each 2*half-block), the inverse with blocks of 2*half is Tb - Tb L Tb; from Tb = I six levels
-       give the full 64x64 inverse, every step an exact 2x2 block inverse (no series);
-    4. per slice: w = T (beta k e^G), qw = q e^G - Aqk w, kd = k e^(G_last - G) (the exponent summed
-       from the end of the chunk), eglast = e^G_last; per V slice: u = T (beta v), ou = Aqk u.
-    """
-    i_t = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    r = tl.arange(0, BT)
-    c = tl.arange(0, BT)
-    cb = tl.arange(0, BK)
-    live = i_t * BT + r < T
-    n_live = T - i_t * BT
-    tok0 = i_b.to(tl.int64) * T + i_t * BT              # chunk's first token of the B*T rows
-    slab = (i_bh.to(tl.int64) * NT + i_t) * BT          # chunk's first row of the [B*H, NT*BT, D] outputs
-    # this head's first column in the chunk's first row of q, k, g, v
-    q0, k0, g0 = q + tok0 * S_Q + i_h * K, k + tok0 * S_K + i_h * K, g + tok0 * S_G + i_h * K
-    v0 = v + tok0 * S_V + i_h * V
-    b_beta = tl.load(beta + tok0 * H + i_h + r * H, mask=live, other=0.).to(tl.float32)
-
-    f_q = tl.zeros([BT], dtype=tl.float32) + scale      # row factors: q_t * f_q[t], k_t * f_k[t]
+def _row_factors(q0, k0, n_live, scale, S_Q: tl.constexpr, S_K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                 K: tl.constexpr, L2NORM: tl.constexpr):
+    """Row factors (f_q, f_k) [BT] of a chunk: q_t * f_q[t] is q's row t L2-normalised times scale (or just
+    times scale without L2NORM), k_t * f_k[t] likewise without scale. Streams [BT, BK] column slices."""
+    f_q = tl.zeros([BT], dtype=tl.float32) + scale
     f_k = tl.zeros([BT], dtype=tl.float32) + 1.
     if L2NORM:
         ss_q = tl.zeros([BT], dtype=tl.float32)
@@ -141,27 +122,35 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
             ss_k += tl.sum(k_s * k_s, axis=1)
         f_q = f_q / tl.sqrt(ss_q + 1e-6)
         f_k = f_k / tl.sqrt(ss_k + 1e-6)
+    return f_q, f_k
 
-    Akk = tl.zeros([BT, BT], dtype=tl.float32)
-    Aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    for kk in range(0, K, BK):
-        q_s = _load_rows(q0 + kk, n_live, 0, S_Q, BT, BK) * f_q[:, None]
-        k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK) * f_k[:, None]
-        g_s = _load_rows(g0 + kk, n_live, 0, S_G, BT, BK)
-        for lvl in range(LOG2_BT):  # a loop, not unrolled: one level's tiles live at a time
-            A_kk, A_qk = _level_pairs(q_s, k_s, g_s, 1 << lvl, BT, PREC)
-            Akk += A_kk
-            Aqk += A_qk
-        Aqk += tl.where(r[:, None] == c[None, :], tl.sum(q_s * k_s, axis=1)[:, None], 0.)
-    Akk = Akk * b_beta[:, None]
 
-    Tm = (r[:, None] == c[None, :]).to(tl.float32)
-    for lvl in range(LOG2_BT):
+@triton.jit
+def _unit_lower_inverse(A, Tm, LVL0: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for A [BT, BT] strictly lower triangular, by block doubling: with Tb the inverse of the
+    block-diagonal part (blocks of `half`) and L the lower-left block of each 2*half-block of A, the inverse
+    with blocks of 2*half is Tb - Tb L Tb, an exact 2x2 block inverse (no series). Tm is Tb for blocks of
+    2^LVL0 (the identity for LVL0 = 0); levels LVL0 .. LOG2_BT-1 give the whole inverse."""
+    r = tl.arange(0, BT)
+    c = tl.arange(0, BT)
+    for lvl in range(LVL0, LOG2_BT):
         half = 1 << lvl
         coupling = (r[:, None] // (2 * half) == c[None, :] // (2 * half)) & (r[:, None] // half != c[None, :] // half)
-        L = tl.where(coupling, Akk, 0.)
+        L = tl.where(coupling, A, 0.)
         Tm = Tm - tl.dot(tl.dot(Tm, L, input_precision=PREC), Tm, input_precision=PREC)
+    return Tm
 
+
+@triton.jit
+def _chunk_outputs(q0, k0, g0, v0, f_q, f_k, b_beta, Tm, Aqk, w, qw, kd, u, ou, eglast, slab, chunk, n_live,
+                   S_Q: tl.constexpr, S_K: tl.constexpr, S_V: tl.constexpr, S_G: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """The five operands of the state recurrence from T = (I + Akk)^-1 and Aqk ([BT, BT] fp32), per slice:
+    w = T (beta k e^G), qw = q e^G - Aqk w, kd = k e^(G_last - G) (the exponent summed from the end of the
+    chunk), eglast = e^G_last; per V slice: u = T (beta v), ou = Aqk u. `slab` is the chunk's first row of
+    the [B*H, NT*BT, D] outputs, `chunk` its index into the [B*H*NT, K] eglast."""
+    r = tl.arange(0, BT)
+    cb = tl.arange(0, BK)
     for kk in range(0, K, BK):
         q_s = _load_rows(q0 + kk, n_live, 0, S_Q, BT, BK) * f_q[:, None]
         k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK) * f_k[:, None]
@@ -175,13 +164,207 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         to_end = tl.cumsum(_load_rows(g0 + kk, n_live, 1, S_G, BT, BK), axis=0, reverse=True)
         tl.store(kd + slab * K + out, _rounded(k_s * tl.exp(to_end), kd.dtype.element_ty))
         G_last = tl.sum(tl.where((r == BT - 1)[:, None], G, 0.), axis=0)  # padded rows add g = 0
-        tl.store(eglast + (i_bh.to(tl.int64) * NT + i_t) * K + kk + cb, tl.exp(G_last))
+        tl.store(eglast + chunk * K + kk + cb, tl.exp(G_last))
     for vv in range(0, V, BK):
-        b_u = tl.dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None],
-                     input_precision=PREC)
+        b_u = tl.dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None], input_precision=PREC)
         out = r[:, None] * V + vv + cb[None, :]
         tl.store(u + slab * V + out, _rounded(b_u, u.dtype.element_ty))
         tl.store(ou + slab * V + out, _rounded(tl.dot(Aqk, b_u, input_precision=PREC), ou.dtype.element_ty))
+
+
+@triton.jit
+def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                       LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+                       S_Q: tl.constexpr, S_K: tl.constexpr, S_V: tl.constexpr, S_G: tl.constexpr):
+    """Per-chunk, state-free part of chunked KDA in one kernel (prep="level"). Grid (NT, B*H); one program =
+    one chunk of one head.
+
+    q, k, v, g are read as one row of H heads per token (heads packed, D contiguous) with the row strides
+    S_Q, S_K, S_V, S_G (elements), B*T rows evenly spaced; beta is [B*T, H] contiguous.
+
+    Only the [BT, BT] matrices Akk, Aqk and T stay in registers; q, k, g, v are streamed in [BT, BK]
+    column slices (L1-resident rereads). Rows past T load as zeros (g = 0, beta = 0), which makes every
+    output row there exactly zero, so the scan kernel never needs a mask.
+
+    1. row norms of q and k (L2 norm; q also times scale);
+    2. Akk (times beta) and Aqk: the pairs s < t are visited by the highest bit in which t and s
+       differ, one tl.dot per level and slice (`_level_pairs`); the diagonal q_t.k_t is added to Aqk;
+    3. T = (I + Akk)^-1 by block doubling over the same levels (`_unit_lower_inverse`);
+    4. the outputs (`_chunk_outputs`).
+    """
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    r = tl.arange(0, BT)
+    c = tl.arange(0, BT)
+    live = i_t * BT + r < T
+    n_live = T - i_t * BT
+    tok0 = i_b.to(tl.int64) * T + i_t * BT              # chunk's first token of the B*T rows
+    slab = (i_bh.to(tl.int64) * NT + i_t) * BT          # chunk's first row of the [B*H, NT*BT, D] outputs
+    # this head's first column in the chunk's first row of q, k, g, v
+    q0, k0, g0 = q + tok0 * S_Q + i_h * K, k + tok0 * S_K + i_h * K, g + tok0 * S_G + i_h * K
+    v0 = v + tok0 * S_V + i_h * V
+    b_beta = tl.load(beta + tok0 * H + i_h + r * H, mask=live, other=0.).to(tl.float32)
+    f_q, f_k = _row_factors(q0, k0, n_live, scale, S_Q, S_K, BT, BK, K, L2NORM)
+
+    Akk = tl.zeros([BT, BT], dtype=tl.float32)
+    Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    for kk in range(0, K, BK):
+        q_s = _load_rows(q0 + kk, n_live, 0, S_Q, BT, BK) * f_q[:, None]
+        k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK) * f_k[:, None]
+        g_s = _load_rows(g0 + kk, n_live, 0, S_G, BT, BK)
+        for lvl in range(LOG2_BT):  # a loop, not unrolled: one level's tiles live at a time
+            A_kk, A_qk = _level_pairs(q_s, k_s, g_s, 1 << lvl, BT, PREC)
+            Akk += A_kk
+            Aqk += A_qk
+        Aqk += tl.where(r[:, None] == c[None, :], tl.sum(q_s * k_s, axis=1)[:, None], 0.)
+    eye = (r[:, None] == c[None, :]).to(tl.float32)
+    Tm = _unit_lower_inverse(Akk * b_beta[:, None], eye, 0, BT, LOG2_BT, PREC)
+    _chunk_outputs(q0, k0, g0, v0, f_q, f_k, b_beta, Tm, Aqk, w, qw, kd, u, ou, eglast, slab,
+                   i_bh.to(tl.int64) * NT + i_t, n_live, S_Q, S_K, S_V, S_G, K, V, BT, BK, PREC)
+
+
+@triton.jit
+def _block_tiles(q0, k0, g0, n_live, B0, kk, BC: tl.constexpr, BK: tl.constexpr, S_Q: tl.constexpr,
+                 S_K: tl.constexpr, S_G: tl.constexpr):
+    """Rows B0 .. B0+BC-1 of the chunk, columns kk .. kk+BK-1 of q, k, g (raw, fp32 [BC, BK]; zero past T)."""
+    r = B0 + tl.arange(0, BC)
+    c = kk + tl.arange(0, BK)
+    live = (r < n_live)[:, None]
+    q_b = tl.load(q0 + r[:, None] * S_Q + c[None, :], mask=live, other=0.).to(tl.float32)
+    k_b = tl.load(k0 + r[:, None] * S_K + c[None, :], mask=live, other=0.).to(tl.float32)
+    g_b = tl.load(g0 + r[:, None] * S_G + c[None, :], mask=live, other=0.).to(tl.float32)
+    return q_b, k_b, g_b
+
+
+@triton.jit
+def _store_block(p, X, row0, col0, BT: tl.constexpr, BC: tl.constexpr):
+    """X [BC, BC] at rows row0.., columns col0.. of the row-major [*, BT] matrix p, rounded to p's dtype."""
+    i = tl.arange(0, BC)
+    tl.store(p + (row0 + i)[:, None] * BT + col0 + i[None, :], _rounded(X, p.dtype.element_ty))
+
+
+@triton.jit
+def _kda_chunk_intra_kernel(q, k, g, beta, Ak, Aq, T, NT, scale,
+                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                            BK: tl.constexpr, LOG2_BC: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+                            S_Q: tl.constexpr, S_K: tl.constexpr, S_G: tl.constexpr):
+    """First kernel of prep="blocked": one row block (BC = 16 rows) of Akk (times beta) and of Aqk of one
+    chunk, written as blocks (i, 0..i) of the [B*H, NT*BT, BT] matrices Ak, Aq (blocks above the diagonal
+    are never written nor read); Ak's diagonal block holds (I + Akk_ii)^-1 rather than Akk_ii.
+    Grid (NT, BT // BC, B*H): many small programs, as fla runs its intra kernels, rather than one long
+    chain of small steps per chunk.
+
+    Diagonal block (i, i): the level pairs (`_level_pairs`) within its 16 rows, per slice of BK columns.
+    Off-diagonal block (i, j), j < i: with the reference row R = 16 i - 1 inside every span (s, t]
+    (s in block j, t in block i),
+        exp(g_(s+1) + ... + g_t) = exp(g_(R+1) + ... + g_t) * exp(g_(s+1) + ... + g_R),
+    both <= 1; the first is the in-block cumsum of block i, the second the in-block reverse cumsum of
+    block j (from row s+1) plus the gates of the blocks between (one sum of one sign, one exp), so the
+    block is one 16 x 16 x BK dot per slice. q and k enter raw; the row norms, scale and beta are applied
+    to each finished block.
+    """
+    i_t = tl.program_id(0)
+    i_i = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    n_live = T - i_t * BT
+    tok0 = i_b.to(tl.int64) * T + i_t * BT
+    q0, k0, g0 = q + tok0 * S_Q + i_h * K, k + tok0 * S_K + i_h * K, g + tok0 * S_G + i_h * K
+    i = tl.arange(0, BC)
+    rows = (i_bh.to(tl.int64) * NT + i_t) * BT + i_i * BC      # this block's first row of Ak, Aq
+    Ak += rows * BT
+    Aq += rows * BT
+    B0 = i_i * BC
+    b_beta = tl.load(beta + tok0 * H + i_h + (B0 + i) * H, mask=B0 + i < n_live, other=0.).to(tl.float32)
+
+    A_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    A_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    ss_q = tl.zeros([BC], dtype=tl.float32)
+    ss_k = tl.zeros([BC], dtype=tl.float32)
+    for kk in range(0, K, BK):
+        q_b, k_b, g_b = _block_tiles(q0, k0, g0, n_live, B0, kk, BC, BK, S_Q, S_K, S_G)
+        for lvl in range(LOG2_BC):
+            a_kk, a_qk = _level_pairs(q_b, k_b, g_b, 1 << lvl, BC, PREC)
+            A_kk += a_kk
+            A_qk += a_qk
+        A_qk += tl.where(i[:, None] == i[None, :], tl.sum(q_b * k_b, axis=1)[:, None], 0.)
+        ss_q += tl.sum(q_b * q_b, axis=1)
+        ss_k += tl.sum(k_b * k_b, axis=1)
+    f_q = tl.zeros([BC], dtype=tl.float32) + scale
+    f_k = tl.zeros([BC], dtype=tl.float32) + 1.
+    if L2NORM:
+        f_q = f_q / tl.sqrt(ss_q + 1e-6)
+        f_k = f_k / tl.sqrt(ss_k + 1e-6)
+    # the diagonal block is stored inverted, (I + A_ii)^-1: the wy kernel starts its inverse from there
+    eye = (i[:, None] == i[None, :]).to(tl.float32)
+    _store_block(Ak, _unit_lower_inverse(A_kk * (b_beta * f_k)[:, None] * f_k[None, :], eye, 0, BC, LOG2_BC, PREC),
+                 0, B0, BT, BC)
+    _store_block(Aq, A_qk * f_q[:, None] * f_k[None, :], 0, B0, BT, BC)
+
+    r64 = tl.arange(0, BT)
+    j = 0
+    while j < i_i:  # a while loop: the interpreter cannot iterate range() over a runtime bound
+        J0 = j * BC
+        A_kk = tl.zeros([BC, BC], dtype=tl.float32)
+        A_qk = tl.zeros([BC, BC], dtype=tl.float32)
+        ss_j = tl.zeros([BC], dtype=tl.float32)
+        for kk in range(0, K, BK):
+            q_b, k_b, g_b = _block_tiles(q0, k0, g0, n_live, B0, kk, BC, BK, S_Q, S_K, S_G)
+            e_L = tl.exp(tl.cumsum(g_b, axis=0))          # g_(R+1) + ... + g_t
+            _, k_j, _ = _block_tiles(q0, k0, g0, n_live, J0, kk, BC, BK, S_Q, S_K, S_G)
+            # g of row s+1 within block j (zero at its end), then the rows of the blocks between j and i
+            rn = J0 + 1 + i
+            c = kk + tl.arange(0, BK)
+            g_n = tl.load(g0 + rn[:, None] * S_G + c[None, :], mask=((rn < J0 + BC) & (rn < n_live))[:, None],
+                          other=0.).to(tl.float32)
+            between = (r64 >= J0 + BC) & (r64 < B0) & (r64 < n_live)
+            g_mid = tl.sum(tl.load(g0 + r64[:, None] * S_G + c[None, :], mask=between[:, None], other=0.), axis=0)
+            k_c = k_j * tl.exp(tl.cumsum(g_n, axis=0, reverse=True) + g_mid[None, :])   # ... + g_R
+            A_kk += tl.dot(k_b * e_L, tl.trans(k_c), input_precision=PREC)
+            A_qk += tl.dot(q_b * e_L, tl.trans(k_c), input_precision=PREC)
+            ss_j += tl.sum(k_j * k_j, axis=1)
+        f_j = tl.zeros([BC], dtype=tl.float32) + 1.
+        if L2NORM:
+            f_j = f_j / tl.sqrt(ss_j + 1e-6)
+        _store_block(Ak, A_kk * (b_beta * f_k)[:, None] * f_j[None, :], 0, J0, BT, BC)
+        _store_block(Aq, A_qk * f_q[:, None] * f_j[None, :], 0, J0, BT, BC)
+        j += 1
+
+
+@triton.jit
+def _kda_chunk_wy_kernel(q, k, v, g, beta, Ak, Aq, w, qw, kd, u, ou, eglast, T, NT, scale,
+                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                         BK: tl.constexpr, LOG2_BC: tl.constexpr, LOG2_BT: tl.constexpr, L2NORM: tl.constexpr,
+                         PREC: tl.constexpr,
+                         S_Q: tl.constexpr, S_K: tl.constexpr, S_V: tl.constexpr, S_G: tl.constexpr):
+    """Second kernel of prep="blocked": T = (I + Akk)^-1 (`_unit_lower_inverse`, from the inverted 16 x 16
+    diagonal blocks up: two levels of 64 x 64 dots instead of six) and the recurrence's operands
+    (`_chunk_outputs`) from what `_kda_chunk_intra_kernel` wrote (lower block triangles; the blocks above
+    load as 0). Grid (NT, B*H)."""
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    r = tl.arange(0, BT)
+    n_live = T - i_t * BT
+    tok0 = i_b.to(tl.int64) * T + i_t * BT
+    slab = (i_bh.to(tl.int64) * NT + i_t) * BT
+    q0, k0, g0 = q + tok0 * S_Q + i_h * K, k + tok0 * S_K + i_h * K, g + tok0 * S_G + i_h * K
+    v0 = v + tok0 * S_V + i_h * V
+    b_beta = tl.load(beta + tok0 * H + i_h + r * H, mask=r < n_live, other=0.).to(tl.float32)
+    f_q, f_k = _row_factors(q0, k0, n_live, scale, S_Q, S_K, BT, BK, K, L2NORM)
+    tri = (r[None, :] // BC) <= (r[:, None] // BC)
+    diag = (r[None, :] // BC) == (r[:, None] // BC)
+    at = slab * BT + r[:, None] * BT + r[None, :]
+    A = tl.load(Ak + at, mask=tri, other=0.)
+    Tm = _unit_lower_inverse(tl.where(diag, 0., A), tl.where(diag, A, 0.), LOG2_BC, BT, LOG2_BT, PREC)
+    Aqk = tl.load(Aq + at, mask=tri, other=0.).to(tl.float32)
+    _chunk_outputs(q0, k0, g0, v0, f_q, f_k, b_beta, Tm, Aqk, w, qw, kd, u, ou, eglast, slab,
+                   i_bh.to(tl.int64) * NT + i_t, n_live, S_Q, S_K, S_V, S_G, K, V, BT, BK, PREC)
 
 
 @triton.jit
@@ -257,12 +440,14 @@ def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.contiguous(), H * D
 
 
-def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, l2norm_qk=True):
+def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, l2norm_qk=True,
+                  prep=None):
     """Chunked KDA forward; same layout and meaning as `model.kda.chunk_kda`.
 
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H] (float dtypes; g is the log decay, <= 0);
     initial_state [B, H, K, V] (cast to fp32) or None. Any T >= 0. q and k are L2-normalised inside
-    when l2norm_qk; scale defaults to K^-0.5.
+    when l2norm_qk; scale defaults to K^-0.5. prep picks the state-free stage, "level" (one kernel) or
+    "blocked" (two kernels by 16-row blocks), see the module docstring; None means PREP.
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32, or None when not asked for).
     """
     if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
@@ -284,6 +469,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         raise ValueError(f"chunk_kda_fwd: initial_state must be [B, H, K, V] = {(B, H, K, V)}, "
                          f"got {tuple(initial_state.shape)}")
+    prep = PREP if prep is None else prep
+    if prep not in PREPS:
+        raise ValueError(f"chunk_kda_fwd: prep must be one of {PREPS}, got {prep!r}")
     mt.require_runnable(_kda_chunk_prep_kernel, q.device)
     scale = K ** -0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.to(device=q.device, dtype=torch.float32).contiguous()
@@ -305,10 +493,23 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     w, qw, kd = (mt.empty(BH, NT * CHUNK, K, dtype=store, device=dev) for _ in range(3))
     u, ou = (mt.empty(BH, NT * CHUNK, V, dtype=store, device=dev) for _ in range(2))
     eglast = mt.empty(BH, NT, K, dtype=torch.float32, device=dev)
-    _kda_chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
-                                     H=H, K=K, V=V, BT=CHUNK, BK=min(_SLICE, K, V), LOG2_BT=_LOG2_CHUNK,
-                                     L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
-                                     num_warps=_PREP_WARPS)
+    if prep == "level":
+        _kda_chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
+                                         H=H, K=K, V=V, BT=CHUNK, BK=min(_SLICE, K, V), LOG2_BT=_LOG2_CHUNK,
+                                         L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
+                                         num_warps=_PREP_WARPS)
+    else:
+        Ak = mt.empty(BH, NT * CHUNK, CHUNK, dtype=torch.float32, device=dev)  # inverted in fp32
+        Aq = mt.empty(BH, NT * CHUNK, CHUNK, dtype=store, device=dev)
+        _kda_chunk_intra_kernel[(NT, CHUNK // _BC, BH)](q, k, g, beta, Ak, Aq, T, NT, scale, H=H, K=K, BT=CHUNK,
+                                                        BC=_BC, BK=min(_INTRA_SLICE, K), LOG2_BC=_LOG2_BC,
+                                                        L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k,
+                                                        S_G=s_g, num_warps=_INTRA_WARPS)
+        _kda_chunk_wy_kernel[(NT, BH)](q, k, v, g, beta, Ak, Aq, w, qw, kd, u, ou, eglast, T, NT, scale,
+                                       H=H, K=K, V=V, BT=CHUNK, BC=_BC, BK=min(_SLICE, K, V), LOG2_BC=_LOG2_BC,
+                                       LOG2_BT=_LOG2_CHUNK,
+                                       L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
+                                       num_warps=_WY_WARPS)
     BV = min(V, _BV)
     _kda_chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                                           H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None,
