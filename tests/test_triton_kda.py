@@ -624,7 +624,7 @@ def sm90_spills() -> dict:
                                                                 "qk_scale": "fp32", **dict.fromkeys(
                                                                     ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l", "s_kpe_b",
                                                                      "s_kpe_l"], "i32")},
-                                   dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL, BF16=True, MMA=True),
+                                   dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL, BF16=True, MMA=True),
                                    num_warps=ml._WARPS)
     out["mla_split_min"] = stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": bf, "c": bf, "k_pe": bf,
                                                                     "pos_ptr": "*i64", **dict.fromkeys(
@@ -632,15 +632,27 @@ def sm90_spills() -> dict:
                                                                     "qk_scale": "fp32", **dict.fromkeys(
                                                                         ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l",
                                                                          "s_kpe_b", "s_kpe_l"], "i32")},
-                                       dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=ml.MIN_SPLIT, BL=ml._BL, BF16=True,
+                                       dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=ml.MIN_SPLIT, BL=ml._BL, BF16=True,
                                             MMA=True), num_warps=ml._WARPS)
+    split_sig = {"q_lat": f32, "q_pe": bf, "c": bf, "k_pe": bf, "pos_ptr": "*i64",
+                 **dict.fromkeys(["o_part", "m_part", "l_part"], f32), "qk_scale": "fp32",
+                 **dict.fromkeys(["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l", "s_kpe_b", "s_kpe_l"], "i32")}
+    hs, bls = ml.SHORT["heads"], ml.SHORT["BL"]
+    for name, split in (("mla_split_short", 2 * bls), ("mla_split_short_long", 1024)):  # head groups, short buffers
+        out[name] = stack_bytes(ml._mla_decode_split_kernel, split_sig,
+                                dict(H=H, R=R, P=P, HG=hs, HP=hs, RP=R, PP=P, SPLIT=split, BL=bls, BF16=True,
+                                     MMA=True), num_warps=ml._WARPS)
+    out["mla_split_short_fp32"] = stack_bytes(ml._mla_decode_split_kernel, {**split_sig, **dict.fromkeys(
+                                                  ["q_pe", "c", "k_pe"], f32)},
+                                              dict(H=H, R=R, P=P, HG=hs, HP=hs, RP=R, PP=P, SPLIT=2 * bls,
+                                                   BL=ml._BL_FP32, BF16=False, MMA=True), num_warps=ml._WARPS)
     out["mla_split_fp32"] = stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": f32, "c": f32,
                                                                      "k_pe": f32, "pos_ptr": "*i64", **dict.fromkeys(
                                                                          ["o_part", "m_part", "l_part"], f32),
                                                                      "qk_scale": "fp32", **dict.fromkeys(
                                                                          ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l",
                                                                           "s_kpe_b", "s_kpe_l"], "i32")},
-                                        dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL_FP32, BF16=False,
+                                        dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL_FP32, BF16=False,
                                              MMA=True), num_warps=ml._WARPS)
     try:  # the shared-memory bound must be able to fail: the fp32 tile the H200 refused (BL=64, 377 KB)
         stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": f32, "c": f32, "k_pe": f32, "pos_ptr": "*i64",
@@ -648,7 +660,7 @@ def sm90_spills() -> dict:
                                                   "qk_scale": "fp32", **dict.fromkeys(
                                                       ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l", "s_kpe_b", "s_kpe_l"],
                                                       "i32")},
-                    dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=1024, BL=64, BF16=False, MMA=True),
+                    dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=1024, BL=64, BF16=False, MMA=True),
                     num_warps=ml._WARPS)
         out["smem_guard"] = "missed"
     except AssertionError as e:
@@ -698,6 +710,8 @@ def test_kernels_compile_for_the_h200():
     assert spills["moe_gate_up"] == 0 and spills["moe_down"] == 0 and spills["moe_route"] == 0, spills
     assert spills["mla_split"] == 0 and spills["mla_combine"] == 0 and spills["mla_absorb"] == 0, spills
     assert spills["mla_split_fp32"] == 0 and spills["mla_split_min"] == 0, spills
+    assert spills["mla_split_short"] == 0 and spills["mla_split_short_long"] == 0, spills
+    assert spills["mla_split_short_fp32"] == 0, spills
     # measured trade-offs, see model/triton/kda_chunk.py: the 4-warp prep spills and is still the fastest
     assert spills["scan"] <= 16 and spills["prep"] <= 1280, spills
     assert spills["moe_router"] == 0, spills
