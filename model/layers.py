@@ -68,7 +68,8 @@ class KimiDeltaAttention(nn.Module):
         its view of them.
 
         Why: at batch-1 decode each of these eight projections is a small, latency-bound GEMV; packed they are
-        two launches, one GEMV and one batched GEMV. Parameter names, shapes and values stay as they were, so
+        two launches, one GEMV and one batched GEMV (at decode the Triton step takes the second into its kernel,
+        `ops.KDA_DECODE_FOLD_GATE_B`). Parameter names, shapes and values stay as they were, so
         `state_dict()` (checkpoints, fingerprints, the HF peer, which wraps our tensors) sees no difference.
         Call it again after assigning weights (`model.build.from_state_dict` does): the forward reads only the
         packed tensors, and the weights assigned before are copied, not kept.
