@@ -4,6 +4,7 @@
         [--chunk-T 1024,8192,32768] [--chunk-prep level,blocked] [--chunk-kernels] [--decode-B 1,8,64]
         [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
+    python -m benchmarks.bench_kernels --ops kda_decode_fold,mla_decode_layout [--decode-B 1,8,64] [--mla-T 1056,8192]
 
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
 FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=32 heads, head dim 128, bf16.
@@ -41,6 +42,14 @@ These are timed by `graph_ms`, not do_bench: 32 layers' calls (each layer its ow
 routed experts) captured in one CUDA graph, as the model's decode step runs them.
 `--moe-sweep` also times every tile config of `moe_sweep_grid` and logs the best per kernel; pick the
 defaults in model/triton/moe.py (GATE_UP, DOWN, ROUTER) from it.
+
+`--ops kda_decode_fold`: the KDA decode step with f_b|g_b folded into the kernel (`gate_b_weight`, what
+`ops.KDA_DECODE_FOLD_GATE_B` selects) against the composition it replaces (peer "bmm+kernel": `kda.gate_b_proj`,
+cuBLAS's batched GEMV, then the kernel), `graph_ms` over KDA_LAYERS layers' calls (each its own state, taps
+and weights), at each --decode-B. `--ops mla_decode_layout`: `mla_decode` (split kernel + combine) in
+`default_layout` against the all-heads layout (peer "all-heads": `default_split`, 32 heads a program), for
+each SHORT of MLA_SHORTS, `graph_ms` over MLA_LAYERS layers' calls (each its own cache), batch 1, a buffer of
+T positions (--mla-T), the query at T-1. Both check ours against the peer's output in the same run.
 """
 from __future__ import annotations
 
@@ -294,6 +303,124 @@ def decode_sweep(B: int) -> list[dict]:
             best = (cfg, results["ours_ms"])
     if best is not None:
         log(f"  best kda_decode_step B={B}: {best[0]} {best[1] * 1e3:.1f} us")
+    return recs
+
+
+KDA_LAYERS, MLA_LAYERS = 20, 7  # the 48B-A3B's KDA and MLA layers: calls per timed graph
+GRAPH_TIMING = "cuda-graph of one call per layer, median of 20 replays, per call"
+
+
+def kernel_record(params: dict, results: dict, reasons: list[str], device: str) -> dict:
+    from records import store
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else device
+    rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=name, weights=None, params=params,
+                            results=results, verdict="INVALID" if reasons else "VALID", reasons=reasons)
+    store.append(rec)
+    return rec
+
+
+def versus(results: dict, reasons: list[str], ours, theirs, tol: float) -> None:
+    """Speedup and the outputs' relative RMS error into results; a difference past tol into reasons."""
+    results["speedup"] = results["peer_ms"] / results["ours_ms"]
+    results["rel_err_vs_peer"] = rel_err(ours, theirs)
+    if not torch.isfinite(ours).all():
+        reasons.append("ours produced non-finite values")
+    if not results["rel_err_vs_peer"] <= tol:
+        reasons.append(f"ours differs from {results['peer']}: relative RMS error {results['rel_err_vs_peer']:.3g} "
+                       f"> {tol}")
+
+
+def kda_fold_case(B: int, device: str = "cuda") -> dict:
+    """The decode step with f_b|g_b in the kernel against bmm then the kernel, graph-timed over KDA_LAYERS."""
+    from model import kda
+    from model.triton.kda_decode import fused_kda_decode
+    g = torch.Generator(device=device).manual_seed(B)
+
+    def rnd(*shape, scale=1.0, dtype=DTYPE):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    C = 3 * H * D
+    qkv_raw, fg_a, b_raw = rnd(B, C + 2 * D + H).split([C, 2 * D, H], dim=-1)   # views, as the model's
+    conv_w, norm_w = rnd(C, W, scale=0.5), 1 + rnd(D, scale=0.1)
+    A_log = torch.rand(H, generator=g, device=device) * 3 - 1
+    dt_bias = rnd(H * D, dtype=torch.float32)
+    layers = [(rnd(B, H, D, D, dtype=torch.float32), rnd(B, W - 1, C), rnd(2, H * D, D, scale=D ** -0.5))
+              for _ in range(KDA_LAYERS)]
+
+    def ours(L):
+        return fused_kda_decode(qkv_raw, L[1], conv_w, fg_a, A_log, dt_bias, b_raw, L[0], norm_weight=norm_w,
+                                gate_b_weight=L[2])
+
+    def theirs(L):
+        f, gate = kda.gate_b_proj(fg_a, L[2])
+        return fused_kda_decode(qkv_raw, L[1], conv_w, f, A_log, dt_bias, b_raw, L[0], out_gate=gate,
+                                norm_weight=norm_w)
+
+    params = {"op": "kda_decode_fold", "B": B, "T": 1, "H": H, "d": D, "dtype": "bfloat16",
+              "ours_scope": "decode step with f_b|g_b in the kernel", "peer_scope": "batched GEMV, then the step"}
+    results, reasons = {"peer": "bmm+kernel", "timing": GRAPH_TIMING}, []
+    try:
+        first = layers[0]   # compared from pristine copies: the timed calls update state and taps in place
+        o_ref = theirs((first[0].clone(), first[1].clone(), first[2]))
+        o = ours((first[0].clone(), first[1].clone(), first[2]))
+        results["ours_ms"] = graph_ms([lambda L=L: ours(L) for L in layers])
+        results["peer_ms"] = graph_ms([lambda L=L: theirs(L) for L in layers])
+        versus(results, reasons, o, o_ref, 1e-2)
+    except Exception as e:  # record the failure, go on with the next shape
+        traceback.print_exc()
+        reasons.append(f"kda_decode_fold failed: {type(e).__name__}: {e}")
+    rec = kernel_record(params, results, reasons, device)
+    log(f"  kda_decode_fold B={B:<3d} ours={_ms(results.get('ours_ms'))} bmm+kernel={_ms(results.get('peer_ms'))} "
+        f"(graph, per layer) rel_err={results.get('rel_err_vs_peer', float('nan')):.2e}  {rec['verdict']} {reasons}")
+    return rec
+
+
+MLA_SHORTS = (dict(heads=16, BL=32), dict(heads=16, BL=64))  # the SHORT layouts mla_decode_layout times
+
+
+def mla_layout_case(T: int, device: str = "cuda") -> list[dict]:
+    """mla_decode in default_layout for each SHORT of MLA_SHORTS against the all-heads layout, graph-timed."""
+    from model import ops
+    from model.triton import mla_decode as ml
+    g = torch.Generator(device=device).manual_seed(T)
+    q_lat = 3 * torch.randn(1, MLA_H, MLA_R, generator=g, device=device)
+    q_pe = (3 * torch.randn(1, MLA_H, MLA_P, generator=g, device=device)).to(DTYPE)
+    caches = [(torch.randn(1, T, MLA_R, generator=g, device=device).to(DTYPE),
+               torch.randn(1, T, MLA_P, generator=g, device=device).to(DTYPE)) for _ in range(MLA_LAYERS)]
+    pos, scale, dev = torch.tensor(T - 1, device=device), 192 ** -0.5, torch.device(device)
+    split = ml.default_split(T, 1, dev)
+    c, k_pe = caches[0]
+    ref = ops.mla_decode_attention_torch(q_lat, q_pe, c, k_pe, pos, scale)
+    recs, peer_ms, saved = [], None, ml.SHORT
+    for short in MLA_SHORTS:
+        ml.SHORT = short
+        layout = ml.default_layout(T, 1, MLA_H, dev)
+        params = {"op": "mla_decode_layout", "B": 1, "T": T, "H": MLA_H, "d": MLA_R + MLA_P, "dtype": "bfloat16",
+                  "short": short, "split": layout[0], "heads": layout[1], "peer_split": split}
+        results, reasons = {"peer": "all-heads", "timing": GRAPH_TIMING}, []
+        try:
+            o = ml.mla_decode(q_lat, q_pe, c, k_pe, pos, scale)
+            o_peer = ml.mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split=split)
+            results["ours_ms"] = graph_ms([lambda L=L: ml.mla_decode(q_lat, q_pe, L[0], L[1], pos, scale)
+                                           for L in caches])
+            if peer_ms is None:
+                peer_ms = graph_ms([lambda L=L: ml.mla_decode(q_lat, q_pe, L[0], L[1], pos, scale, split=split)
+                                    for L in caches])
+            results["peer_ms"] = peer_ms
+            results["rel_err_vs_fp32_ref"] = rel_err(o, ref)
+            versus(results, reasons, o, o_peer, 1e-4)
+            if not results["rel_err_vs_fp32_ref"] <= 1e-4:
+                reasons.append(f"ours differs from the fp32 torch reference: {results['rel_err_vs_fp32_ref']:.3g}")
+        except Exception as e:  # record the failure, go on with the next layout
+            traceback.print_exc()
+            reasons.append(f"mla_decode_layout failed: {type(e).__name__}: {e}")
+        finally:
+            ml.SHORT = saved
+        rec = kernel_record(params, results, reasons, device)
+        recs.append(rec)
+        log(f"  mla_decode_layout T={T:<6d} SHORT={short} -> split={layout[0]} heads={layout[1]}: "
+            f"ours={_ms(results.get('ours_ms'))} all-heads(split={split})={_ms(results.get('peer_ms'))} "
+            f"(graph, per layer)  {rec['verdict']} {reasons}")
     return recs
 
 
@@ -672,8 +799,8 @@ def run_moe(Ns: list[int], sweep: bool, rep_ms: int, device: str = "cuda") -> li
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode," + ",".join(TORCH_PEER_CASES),
-                    help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, "
-                         + ", ".join(TORCH_PEER_CASES))
+                    help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, kda_decode_fold, "
+                         "mla_decode_layout, " + ", ".join(TORCH_PEER_CASES))
     ap.add_argument("--chunk-T", default="1024,8192,32768")
     ap.add_argument("--chunk-prep", default="",
                     help="chunk_kda: comma-separated prep paths of ours to time, each against fla in its own record "
@@ -690,7 +817,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
-    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", *TORCH_PEER_CASES}
+    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "kda_decode_fold",
+                          "mla_decode_layout", *TORCH_PEER_CASES}
     if unknown:
         raise SystemExit(f"unknown --ops {sorted(unknown)}")
     if not torch.cuda.is_available():
@@ -715,6 +843,12 @@ def main(argv=None) -> None:
     recs += [run_case(op, 1, int(T), None, None, args.rep_ms)
              for T in args.prefill_T.split(",") if T for op in TORCH_PEER_CASES if op in ops]
     summarize(recs)
+    if "kda_decode_fold" in ops:
+        for B in (int(b) for b in args.decode_B.split(",") if b):
+            kda_fold_case(B)
+    if "mla_decode_layout" in ops:
+        for T in (int(t) for t in args.mla_T.split(",") if t):
+            mla_layout_case(T)
     if "moe_decode" in ops:
         run_moe([int(n) for n in args.moe_N.split(",") if n], args.moe_sweep, args.rep_ms)
 

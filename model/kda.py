@@ -117,6 +117,15 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, head_d
     return -A_log.float().reshape(-1, 1).exp() * F.softplus(x)
 
 
+def gate_b_proj(fg_a: torch.Tensor, gate_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(f_b(f_a(x)), g_b(g_a(x))), each [..., H*d], from fg_a = f_a(x)|g_a(x) [..., 2*d] (a view of the packed
+    input projection) and gate_b_weight [2, H*d, d] (f_b's and g_b's weights stacked): one batched GEMM."""
+    d = gate_b_weight.shape[-1]
+    f, gate = torch.bmm(fg_a.reshape(-1, 2, d).transpose(0, 1), gate_b_weight.transpose(1, 2))
+    shape = (*fg_a.shape[:-1], gate_b_weight.shape[1])
+    return f.view(shape), gate.view(shape)
+
+
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor | None = None):
     """Depthwise causal conv over time, then SiLU.
 

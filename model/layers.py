@@ -68,7 +68,8 @@ class KimiDeltaAttention(nn.Module):
         its view of them.
 
         Why: at batch-1 decode each of these eight projections is a small, latency-bound GEMV; packed they are
-        two launches, one GEMV and one batched GEMV. Parameter names, shapes and values stay as they were, so
+        two launches, one GEMV and one batched GEMV (at decode the Triton step takes the second into its kernel,
+        `ops.KDA_DECODE_FOLD_GATE_B`). Parameter names, shapes and values stay as they were, so
         `state_dict()` (checkpoints, fingerprints, the HF peer, which wraps our tensors) sees no difference.
         Call it again after assigning weights (`model.build.from_state_dict` does): the forward reads only the
         packed tensors, and the weights assigned before are copied, not kept.
@@ -86,13 +87,17 @@ class KimiDeltaAttention(nn.Module):
         for m, w in zip(outs, self.gate_b_weight):
             m.weight = nn.Parameter(w, requires_grad=False)
 
+    def _project_in(self, x):
+        """x [..., D] -> (q|k|v before the conv, f_a(x)|g_a(x), b_proj(x)): the six input projections as one
+        GEMM (the three are views of its output)."""
+        nd, d = self.num_heads * self.head_dim, self.head_dim
+        return F.linear(x, self.in_proj_weight).split([3 * nd, 2 * d, self.num_heads], dim=-1)
+
     def _project(self, x):
         """x [..., D] -> (q|k|v before the conv, f_b(f_a(x)), g_b(g_a(x)), b_proj(x)) in two launches: the six
-        input projections as one GEMM, then f_b and g_b as one batched GEMM on the f_a|g_a columns (a view)."""
-        nd, d = self.num_heads * self.head_dim, self.head_dim
-        qkv, fg_a, b = F.linear(x, self.in_proj_weight).split([3 * nd, 2 * d, self.num_heads], dim=-1)
-        f, gate = torch.bmm(fg_a.reshape(-1, 2, d).transpose(0, 1), self.gate_b_weight.transpose(1, 2))
-        return qkv, f.view(*x.shape[:-1], nd), gate.view(*x.shape[:-1], nd), b
+        input projections as one GEMM, then f_b and g_b as one batched GEMM on the f_a|g_a columns."""
+        qkv, fg_a, b = self._project_in(x)
+        return qkv, *ops.kda_gate_b_proj(fg_a, self.gate_b_weight), b
 
     def forward(self, x: torch.Tensor, cache: KDAState | None = None) -> torch.Tensor:
         """A span of tokens [B, T, D]: chunked form from the carried state (zeros without a cache)."""
@@ -111,11 +116,12 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(o.flatten(-2))
 
     def decode(self, x: torch.Tensor, cache: KDAState) -> torch.Tensor:
-        """One token per sequence, x [B, D]; updates the recurrent state and conv taps in place."""
+        """One token per sequence, x [B, D]; updates the recurrent state and conv taps in place. f_b and g_b are
+        left to the decode step (the Triton step computes them in its kernel)."""
         fg = self.forget_gate
-        qkv, f, gate, b = self._project(x)
-        o = ops.kda_decode_step(qkv, cache.taps, self.conv1d.weight[:, 0], f, fg.A_log, fg.dt_bias, b, cache.state,
-                                gate, self.o_norm.weight, self.eps)
+        qkv, fg_a, b = self._project_in(x)
+        o = ops.kda_decode_step(qkv, cache.taps, self.conv1d.weight[:, 0], fg_a, self.gate_b_weight, fg.A_log,
+                                fg.dt_bias, b, cache.state, self.o_norm.weight, self.eps)
         return self.o_proj(o.flatten(-2))
 
 

@@ -46,6 +46,12 @@ def _triton(t: torch.Tensor) -> bool:
 
 # ---- KDA --------------------------------------------------------------------------------------
 kda_gate = kda.kda_gate
+kda_gate_b_proj = kda.gate_b_proj
+
+# The Triton decode step computes f_b(f_a(x)) and g_b(g_a(x)) itself from f_a(x)|g_a(x) (`fused_kda_decode`'s
+# gate_b_weight) instead of after a batched GEMV launch of its own (~3.2 us a KDA layer at batch 1 on the H200).
+# False: the GEMV, then the kernel (the form before the fold).
+KDA_DECODE_FOLD_GATE_B = True
 
 
 def causal_conv1d(x, weight, taps=None):
@@ -64,15 +70,20 @@ def chunk_kda(q, k, v, g, beta, initial_state=None):
     return kda.chunk_kda(q, k, v, g, beta, initial_state=initial_state)
 
 
-def kda_decode_step(qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, state, gate, norm_w, eps):
-    """One KDA token per sequence from carried state, conv-tap update through the gated output norm:
-    conv + SiLU, gate, beta, L2 norm, state update, output, rmsnorm(o) * norm_w * sigmoid(gate).
-    `taps` and `state` are updated in place. Shapes as in `model.triton.kda_decode.fused_kda_decode`;
-    returns [B, H, d] in qkv_raw's dtype."""
+def kda_decode_step(qkv_raw, taps, conv_w, fg_a, gate_b_w, A_log, dt_bias, b_raw, state, norm_w, eps):
+    """One KDA token per sequence from carried state, from the f_b|g_b projections through the gated output
+    norm: f and gate = `kda.gate_b_proj(fg_a, gate_b_w)`, conv + SiLU, decay gate, beta, L2 norm, state update,
+    output, rmsnorm(o) * norm_w * sigmoid(gate). `taps` and `state` are updated in place. Shapes as in
+    `model.triton.kda_decode.fused_kda_decode`; returns [B, H, d] in qkv_raw's dtype."""
     if _triton(qkv_raw):
         from .triton.kda_decode import fused_kda_decode
+        if KDA_DECODE_FOLD_GATE_B:
+            return fused_kda_decode(qkv_raw, taps, conv_w, fg_a, A_log, dt_bias, b_raw, state,
+                                    norm_weight=norm_w, norm_eps=eps, gate_b_weight=gate_b_w)
+        f, gate = kda.gate_b_proj(fg_a, gate_b_w)
         return fused_kda_decode(qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, state,
                                 out_gate=gate, norm_weight=norm_w, norm_eps=eps)
+    f, gate = kda.gate_b_proj(fg_a, gate_b_w)
     H, d = state.shape[1], state.shape[2]
     y, new_taps = kda.causal_conv1d(qkv_raw[:, None], conv_w, taps)
     taps.copy_(new_taps)

@@ -297,3 +297,24 @@ def test_a_peer_out_of_memory_is_a_skip_not_a_failure():
     assert crash.invalid and crash.reason == "hf: RuntimeError: boom"
     ours = bench_e2e.measured(None, "out of memory: CUDA out of memory.", 1, "ours")
     assert ours.invalid  # our own OOM still voids the record
+
+
+# ---- bench_kernels: KDA decode fold, MLA decode layouts ---------------------------------------------
+
+def test_decode_fold_and_mla_layout_bench_plumbing(records_dir, monkeypatch):
+    """`--ops kda_decode_fold,mla_decode_layout` on the CPU through the interpreter, small shapes, a fake clock:
+    ours is compared with the peer (and the MLA layouts with the fp32 reference) and recorded VALID."""
+    from benchmarks import bench_kernels as bk
+    from model.triton import mla_decode as ml
+    for name, value in (("H", 2), ("D", 16), ("KDA_LAYERS", 2), ("MLA_H", 4), ("MLA_R", 32), ("MLA_P", 16),
+                        ("MLA_LAYERS", 2), ("MLA_SHORTS", (dict(heads=2, BL=32), dict(heads=1, BL=64)))):
+        monkeypatch.setattr(bk, name, value)
+    monkeypatch.setattr(bk, "graph_ms", lambda calls: ([c() for c in calls], 0.01)[1])
+    recs = [bk.kda_fold_case(2, device="cpu")] + bk.mla_layout_case(200, device="cpu")
+    assert all(r["verdict"] == "VALID" for r in recs), [r["reasons"] for r in recs]
+    assert [r["params"]["op"] for r in recs] == ["kda_decode_fold"] + ["mla_decode_layout"] * 2
+    assert recs[0]["results"]["rel_err_vs_peer"] < 1e-2
+    # the CPU's 8 "SMs": 200 positions in 2 head groups x 2 shortest splits fit, so SHORT's layout is timed
+    assert [(r["params"]["split"], r["params"]["heads"]) for r in recs[1:]] == [(64, 2), (128, 1)]
+    assert all(r["params"]["peer_split"] == 128 for r in recs[1:]) and ml.SHORT == dict(heads=16, BL=32)
+    assert len(load(kinds="kernel", root=records_dir).records) == 3

@@ -71,8 +71,9 @@ def cuda_kernels(fn) -> int:
 
 def test_packed_kda_projections_fp32_real_shapes():
     """The packed KDA projections (one GEMV and one batched GEMV per layer, tests/test_kda_pack.py) against the
-    separate nn.Linears they replace, fp32 at real shapes: the packed graph decode equals the unpacked one and a
-    fresh recompute, and an eager decode step launches at least 6 fewer kernels per KDA layer."""
+    separate nn.Linears they replace, fp32 at real shapes (at decode only the six input projections: f_b and g_b
+    are the decode step's): the packed graph decode equals the unpacked one and a fresh recompute, and an eager
+    decode step launches at least 6 fewer kernels per KDA layer (one GEMM against six and two concatenations)."""
     from tests.test_kda_pack import unpacked
 
     m = model(torch.float32)

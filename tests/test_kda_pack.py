@@ -30,15 +30,22 @@ def separate_projections(self, x):
     return qkv, fg.f_b_proj(fg.f_a_proj(x)), self.g_b_proj(self.g_a_proj(x)), self.b_proj(x)
 
 
+def separate_input_projections(self, x):
+    """The unpacked reference of `KimiDeltaAttention._project_in` (the decode path's projections; f_b and g_b
+    are left to the decode step): six launches and two concatenations."""
+    qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+    return qkv, torch.cat([self.forget_gate.f_a_proj(x), self.g_a_proj(x)], dim=-1), self.b_proj(x)
+
+
 @contextlib.contextmanager
 def unpacked():
     """Run every KDA layer through the separate projections inside the block."""
-    packed = KimiDeltaAttention._project
-    KimiDeltaAttention._project = separate_projections
+    packed = KimiDeltaAttention._project, KimiDeltaAttention._project_in
+    KimiDeltaAttention._project, KimiDeltaAttention._project_in = separate_projections, separate_input_projections
     try:
         yield
     finally:
-        KimiDeltaAttention._project = packed
+        KimiDeltaAttention._project, KimiDeltaAttention._project_in = packed
 
 
 def kda_layers(model):
@@ -122,13 +129,14 @@ def test_packed_equals_unpacked_recompute_and_incremental(tiny, prompt):
 def test_packed_projections_bit_identical_except_b_on_cpu(tiny):
     _, a = kda_layers(tiny)[0]
     for x in (torch.randn(3, 7, CFG.hidden_size), torch.randn(1, CFG.hidden_size), torch.randn(4, CFG.hidden_size)):
-        outs, refs = a._project(x), separate_projections(a, x)
-        for name, o, r in zip(("qkv", "f", "gate", "b"), outs, refs):
-            assert o.shape == r.shape, name
-            if name == "b":
-                assert rel_err(o, r) < 1e-6
-            else:
-                assert torch.equal(o, r), name
+        for outs, refs, names in ((a._project(x), separate_projections(a, x), ("qkv", "f", "gate", "b")),
+                                  (a._project_in(x), separate_input_projections(a, x), ("qkv", "fg_a", "b"))):
+            for name, o, r in zip(names, outs, refs):
+                assert o.shape == r.shape, name
+                if name == "b":
+                    assert rel_err(o, r) < 1e-6
+                else:
+                    assert torch.equal(o, r), name
 
 
 def test_checkpoint_of_a_packed_model_loads_back_the_same(tiny, tmp_path):

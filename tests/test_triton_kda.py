@@ -322,6 +322,63 @@ def test_decode_batch_64():
     assert_close(blocks, whole, 1e-6, "16- vs 32-column blocks")
 
 
+def gate_b_inputs(B, H, d, dtype, seed, device=DEV):
+    """f_a(x)|g_a(x) as the model hands it to the decode step: a strided view [B, 2*d] of a wider projection
+    output, and the stacked f_b|g_b weights [2, H*d, d]."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randn(B, 2 * d + 7, generator=gen).to(dtype).to(device)
+    w = (torch.randn(2, H * d, d, generator=gen) * d ** -0.5).to(dtype).to(device)
+    return packed[:, 3:3 + 2 * d], w
+
+
+@given(B=st.sampled_from([1, 2, 5]), H=st.integers(1, 2), d=st.sampled_from([16, 32, 64, 128]),
+       dtype=st.sampled_from(sorted(DTYPES)), norm=st.booleans(), bv=st.sampled_from([16, 32]),
+       seed=st.integers(0, 2**16))
+def test_decode_folds_the_gate_b_projection(B, H, d, dtype, norm, bv, seed):
+    """f_b|g_b computed in the kernel (gate_b_weight) against the composition it replaces: the batched GEMV
+    (`kda.gate_b_proj`, rounded to the model dtype), then the kernel. fp32 differs only in summation order;
+    bf16 also where the interpreter truncates the kernel's rounding of f and the gate (torch rounds)."""
+    inp = decode_inputs(B, H, d, 4, DTYPES[dtype], seed)
+    fg_a, w = gate_b_inputs(B, H, d, DTYPES[dtype], seed + 1)
+    f, gate = kda.gate_b_proj(fg_a, w)
+    assert f.dtype == gate.dtype == DTYPES[dtype]
+    weight = torch.randn(d, generator=torch.Generator().manual_seed(seed)).to(DEV)
+    cfg = dict(BV=bv)
+    ref, ref_state, ref_taps = run_decode({**inp, "f": f}, cfg=cfg,
+                                          **(dict(out_gate=gate, norm_weight=weight) if norm else {}))
+    o, state, taps = run_decode({**inp, "f": fg_a}, gate_b_weight=w, cfg=cfg,
+                                **(dict(norm_weight=weight) if norm else {}))
+    assert o.dtype == ref.dtype and o.shape == (B, H, d)
+    assert torch.equal(taps, ref_taps)
+    tol = 2e-6 if dtype == "fp32" else 1e-2
+    assert_close(o, ref, tol, "folded vs bmm then kernel: o")
+    assert_close(state, ref_state, tol, "folded vs bmm then kernel: state")
+
+
+def test_decode_fold_control_swapped_weights_are_caught():
+    """The fold test can fail: f_b and g_b swapped (each block reading the other slice) is far off."""
+    inp = decode_inputs(2, 2, 32, 4, torch.float32, 4)
+    fg_a, w = gate_b_inputs(2, 2, 32, torch.float32, 5)
+    f, gate = kda.gate_b_proj(fg_a, w)
+    weight = torch.randn(32, generator=torch.Generator().manual_seed(6)).to(DEV)
+    ref, _, _ = run_decode({**inp, "f": f}, out_gate=gate, norm_weight=weight)
+    o, _, _ = run_decode({**inp, "f": fg_a}, gate_b_weight=w, norm_weight=weight)
+    assert_close(o, ref, 2e-6, "the right weights")
+    bad, _, _ = run_decode({**inp, "f": fg_a}, gate_b_weight=w.flip(0).contiguous(), norm_weight=weight)
+    assert rel_err(bad, ref) > 1e-2
+
+
+def test_decode_fold_refuses_bad_arguments():
+    inp = decode_inputs(2, 4, 16, 4, torch.float32, 0)
+    fg_a, w = gate_b_inputs(2, 4, 16, torch.float32, 1)
+    with pytest.raises(ValueError, match="gate_b_weight"):
+        run_decode({**inp, "f": fg_a}, gate_b_weight=w[:, :16])
+    with pytest.raises(ValueError, match="gate_b_weight"):
+        run_decode({**inp, "f": inp["f"]}, gate_b_weight=w)
+    with pytest.raises(ValueError, match="no out_gate"):
+        run_decode({**inp, "f": fg_a}, gate_b_weight=w, out_gate=inp["f"], norm_weight=torch.ones(16, device=DEV))
+
+
 # ---- norms --------------------------------------------------------------------------------------
 
 def assert_within_ulps(y, ref):
@@ -540,9 +597,23 @@ def sm90_spills() -> dict:
         "decode": stack_bytes(kd._kda_decode_kernel, {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf),
                                                   "A_log": f32, "dt_bias": f32, "b_raw": bf, "state": f32, "o": bf,
                                                   "out_gate": bf, "norm_w": bf, "arrivals": "*i32", "scale": "fp32",
-                                                  "eps": "fp32"},
-                              dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True),
+                                                  "eps": "fp32", "gate_b_w": bf, "s_f": "i32"},
+                              dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, FOLD=False,
+                                   BJ=kd.FOLD_BJ),
                               num_warps=kd.DECODE["num_warps"]),
+        "decode_fold": stack_bytes(kd._kda_decode_kernel, {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf),
+                                                       "A_log": f32, "dt_bias": f32, "b_raw": bf, "state": f32,
+                                                       "o": bf, "out_gate": bf, "norm_w": bf, "arrivals": "*i32",
+                                                       "scale": "fp32", "eps": "fp32", "gate_b_w": bf, "s_f": "i32"},
+                                   dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, FOLD=True,
+                                        BJ=kd.FOLD_BJ), num_warps=kd.DECODE["num_warps"]),
+        "decode_fold_large": stack_bytes(kd._kda_decode_kernel, {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf),
+                                                             "A_log": f32, "dt_bias": f32, "b_raw": bf,
+                                                             "state": f32, "o": bf, "out_gate": bf, "norm_w": bf,
+                                                             "arrivals": "*i32", "scale": "fp32", "eps": "fp32",
+                                                             "gate_b_w": bf, "s_f": "i32"},
+                                         dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE_LARGE["BV"], HAS_NORM=True,
+                                              FOLD=True, BJ=kd.FOLD_BJ), num_warps=kd.DECODE_LARGE["num_warps"]),
         "norm": stack_bytes(nm._rmsnorm_kernel, {**dict.fromkeys(["x", "res", "gate", "weight", "y", "res_out"], bf),
                                                  "N": "i32", "stride_x": "i32",
                                                  "eps": "fp32"},
@@ -575,7 +646,7 @@ def sm90_spills() -> dict:
                                                                 "qk_scale": "fp32", **dict.fromkeys(
                                                                     ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l", "s_kpe_b",
                                                                      "s_kpe_l"], "i32")},
-                                   dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL, BF16=True, MMA=True),
+                                   dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL, BF16=True, MMA=True),
                                    num_warps=ml._WARPS)
     out["mla_split_min"] = stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": bf, "c": bf, "k_pe": bf,
                                                                     "pos_ptr": "*i64", **dict.fromkeys(
@@ -583,15 +654,27 @@ def sm90_spills() -> dict:
                                                                     "qk_scale": "fp32", **dict.fromkeys(
                                                                         ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l",
                                                                          "s_kpe_b", "s_kpe_l"], "i32")},
-                                       dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=ml.MIN_SPLIT, BL=ml._BL, BF16=True,
+                                       dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=ml.MIN_SPLIT, BL=ml._BL, BF16=True,
                                             MMA=True), num_warps=ml._WARPS)
+    split_sig = {"q_lat": f32, "q_pe": bf, "c": bf, "k_pe": bf, "pos_ptr": "*i64",
+                 **dict.fromkeys(["o_part", "m_part", "l_part"], f32), "qk_scale": "fp32",
+                 **dict.fromkeys(["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l", "s_kpe_b", "s_kpe_l"], "i32")}
+    hs, bls = ml.SHORT["heads"], ml.SHORT["BL"]
+    for name, split in (("mla_split_short", 2 * bls), ("mla_split_short_long", 1024)):  # head groups, short buffers
+        out[name] = stack_bytes(ml._mla_decode_split_kernel, split_sig,
+                                dict(H=H, R=R, P=P, HG=hs, HP=hs, RP=R, PP=P, SPLIT=split, BL=bls, BF16=True,
+                                     MMA=True), num_warps=ml._WARPS)
+    out["mla_split_short_fp32"] = stack_bytes(ml._mla_decode_split_kernel, {**split_sig, **dict.fromkeys(
+                                                  ["q_pe", "c", "k_pe"], f32)},
+                                              dict(H=H, R=R, P=P, HG=hs, HP=hs, RP=R, PP=P, SPLIT=2 * bls,
+                                                   BL=ml._BL_FP32, BF16=False, MMA=True), num_warps=ml._WARPS)
     out["mla_split_fp32"] = stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": f32, "c": f32,
                                                                      "k_pe": f32, "pos_ptr": "*i64", **dict.fromkeys(
                                                                          ["o_part", "m_part", "l_part"], f32),
                                                                      "qk_scale": "fp32", **dict.fromkeys(
                                                                          ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l",
                                                                           "s_kpe_b", "s_kpe_l"], "i32")},
-                                        dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL_FP32, BF16=False,
+                                        dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL_FP32, BF16=False,
                                              MMA=True), num_warps=ml._WARPS)
     try:  # the shared-memory bound must be able to fail: the fp32 tile the H200 refused (BL=64, 377 KB)
         stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": f32, "c": f32, "k_pe": f32, "pos_ptr": "*i64",
@@ -599,7 +682,7 @@ def sm90_spills() -> dict:
                                                   "qk_scale": "fp32", **dict.fromkeys(
                                                       ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l", "s_kpe_b", "s_kpe_l"],
                                                       "i32")},
-                    dict(H=H, R=R, P=P, HP=H, RP=R, PP=P, SPLIT=1024, BL=64, BF16=False, MMA=True),
+                    dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=1024, BL=64, BF16=False, MMA=True),
                     num_warps=ml._WARPS)
         out["smem_guard"] = "missed"
     except AssertionError as e:
@@ -645,9 +728,12 @@ def test_kernels_compile_for_the_h200():
     assert spills["control"] == 0 and spills["broken"] is None, "the compile check cannot tell good from bad"
     assert spills["smem_guard"] == "caught", spills["smem_guard"]
     assert spills["decode"] == 0 and spills["norm"] == 0, spills
+    assert spills["decode_fold"] == 0 and spills["decode_fold_large"] == 0, spills
     assert spills["moe_gate_up"] == 0 and spills["moe_down"] == 0 and spills["moe_route"] == 0, spills
     assert spills["mla_split"] == 0 and spills["mla_combine"] == 0 and spills["mla_absorb"] == 0, spills
     assert spills["mla_split_fp32"] == 0 and spills["mla_split_min"] == 0, spills
+    assert spills["mla_split_short"] == 0 and spills["mla_split_short_long"] == 0, spills
+    assert spills["mla_split_short_fp32"] == 0, spills
     # measured trade-offs, see model/triton/kda_chunk.py: the 4-warp prep spills and is still the fastest
     assert spills["scan"] <= 16 and spills["prep"] <= 1280, spills
     assert spills["intra"] == 0 and spills["wy"] <= 24, spills  # prep="blocked"
@@ -720,6 +806,46 @@ def test_gpu_decode_real_shapes(B, dtype, no_tf32):
         ref = hf_norm(KimiLinearRMSNormGated, 128, weight)(ro.to(normed.dtype), gate.view(B, 32, 128))
         assert_close(normed, ref, tol if dtype == "fp32" else 2e-2, f"step {step}: normed o")
         state, taps = rstate, rtaps  # each step starts from the reference, so errors do not compound
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_gpu_decode_fold_real_shapes(B, dtype, no_tf32):
+    """The f_b|g_b GEMV folded into the kernel against cuBLAS's batched GEMV then the kernel, at 32 heads x 128
+    (bf16: the same rounding points, other summation orders), and the folded step captured in a CUDA graph,
+    replayed from the same state, gives the eager step's bits."""
+    inp = decode_inputs(B, 32, 128, 4, DTYPES[dtype], B)
+    fg_a, w = gate_b_inputs(B, 32, 128, DTYPES[dtype], B + 1)
+    f, gate = kda.gate_b_proj(fg_a, w)
+    weight = torch.randn(128, generator=torch.Generator().manual_seed(B)).cuda()
+    ref, ref_state, ref_taps = run_decode({**inp, "f": f}, out_gate=gate, norm_weight=weight)
+    o, state, taps = run_decode({**inp, "f": fg_a}, gate_b_weight=w, norm_weight=weight)
+    assert torch.equal(taps, ref_taps)
+    tol = 1e-5 if dtype == "fp32" else 1e-2
+    assert_close(o, ref, tol, "folded vs bmm then kernel: o")
+    assert_close(state, ref_state, tol, "folded vs bmm then kernel: state")
+
+    s, t = inp["state"].clone(), inp["conv_taps"].clone()
+
+    def step():
+        return fused_kda_decode(inp["qkv_raw"], t, inp["conv_weight"], fg_a, inp["A_log"], inp["dt_bias"],
+                                inp["b_raw"], s, norm_weight=weight, gate_b_weight=w)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()                                              # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    s.copy_(inp["state"])
+    t.copy_(inp["conv_taps"])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, o) and torch.equal(s, state) and torch.equal(t, taps)
 
 
 @pytest.mark.gpu

@@ -12,11 +12,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # also done by conftest.py; needed before the imports below
 
 import pytest  # noqa: E402
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import assume, given, strategies as st  # noqa: E402
 
 import model.triton as mt  # noqa: E402
 from model import ops  # noqa: E402
-from model.triton.mla_decode import _BL, mla_absorb, mla_decode  # noqa: E402
+from model.triton.mla_decode import _BL, SHORT, mla_absorb, mla_decode  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,6 +25,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # fp32 cache: IEEE dots; bf16 cache: fp32 operand split into bf16 head + tail (the interpreter truncates the
 # tail to bf16 instead of rounding: 2^-16 relative, measured ~1e-5)
 TOL = {torch.float32: 2e-6, torch.bfloat16: 5e-5}
+SHORT_BL = SHORT["BL"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -67,22 +68,56 @@ def test_decode_matches_fp64(B, H, R, L, split, where, dtype, seed):
     check(o, fp64_reference(q_lat, q_pe, c, k_pe, pos, scale), TOL[DTYPES[dtype]], f"pos={int(pos)}")
 
 
+@given(B=st.sampled_from([1, 2]), H=st.sampled_from([2, 4, 6]), heads=st.sampled_from([1, 2, 4]),
+       R=st.sampled_from([32, 64]), L=st.integers(1, 300), split=st.sampled_from([2 * SHORT_BL, 3 * SHORT_BL, 2 * _BL]),
+       where=st.sampled_from(["0", "boundary-1", "boundary", "last"]), dtype=st.sampled_from(["fp32", "bf16"]),
+       seed=st.integers(0, 999))
+def test_head_groups_match_fp64(B, H, heads, R, L, split, where, dtype, seed):
+    """The short-buffer layout: heads in groups of `heads` (the last one partly masked at H=6, heads=4),
+    splits of SHORT's step."""
+    assume(heads < H)
+    P, scale = 16, 0.17
+    pos = {"0": 0, "boundary-1": split - 1, "boundary": split, "last": L - 1}[where]
+    pos = torch.tensor(min(pos, L - 1), device=DEV)
+    q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], seed, sharp=2.0)
+    o = mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split=split, heads=heads)
+    assert o.shape == (B, H, R) and o.dtype == torch.float32
+    check(o, fp64_reference(q_lat, q_pe, c, k_pe, pos, scale), TOL[DTYPES[dtype]], f"pos={int(pos)}")
+
+
+@pytest.mark.parametrize("layout", [(2 * _BL, None), (2 * SHORT_BL, 2)], ids=["all-heads", "head-groups"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("pos", [0, _BL - 1, 2 * _BL, 3 * _BL + 5])
-def test_positions_past_pos_are_not_read(pos, dtype):
+def test_positions_past_pos_are_not_read(pos, dtype, layout):
     """Huge and NaN values past pos leave the output bit for bit unchanged: they are never loaded."""
     B, H, R, P, L = 2, 4, 32, 16, 5 * _BL
+    split, heads = layout
     q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], pos)
     p = torch.tensor(pos, device=DEV)
-    clean = mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=2 * _BL)
+    clean = mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=split, heads=heads)
     for fill in (float("nan"), 3e38):
         c2, k2 = c.clone(), k_pe.clone()
         c2[:, pos + 1:], k2[:, pos + 1:] = fill, fill
-        dirty = mla_decode(q_lat, q_pe, c2, k2, p, 0.2, split=2 * _BL)
+        dirty = mla_decode(q_lat, q_pe, c2, k2, p, 0.2, split=split, heads=heads)
         assert torch.isfinite(dirty).all() and torch.equal(dirty, clean), fill
     # and the cache up to pos is read: changing position pos changes the result
     c[:, pos] += 1
-    assert not torch.equal(mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=2 * _BL), clean)
+    assert not torch.equal(mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=split, heads=heads), clean)
+
+
+def test_default_layout_groups_heads_only_for_short_buffers(monkeypatch):
+    """At the H200's 132 SMs and 32 heads: SHORT's layout up to buffers whose grouped shortest splits fit on
+    the SMs at once, the standard one beyond (where it already fills them), and always with SHORT = None."""
+    from model.triton import mla_decode as ml
+    monkeypatch.setattr(ml, "_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert ml.default_layout(1056, 1, 32, cuda) == (64, 16)          # 17 splits x 2 groups, against 9 programs
+    assert ml.default_layout(8192, 1, 32, cuda) == (128, 16)         # 64 x 2
+    assert ml.default_layout(16384, 1, 32, cuda) == (128, 32)        # the standard layout: 128 programs
+    assert ml.default_layout(131072, 1, 32, cuda) == (1024, 32)
+    assert ml.default_layout(1056, 8, 32, cuda) == (ml.default_split(1056, 8, cuda), 32)
+    monkeypatch.setattr(ml, "SHORT", None)
+    assert ml.default_layout(1056, 1, 32, cuda) == (ml.MIN_SPLIT, 32)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -119,12 +154,12 @@ def test_absorb_matches_fp64(B, H, K, N, x_dtype, w_dtype, transposed, seed):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("B,L", [(1, 4096), (1, 131072), (4, 4096), (8, 32768)])
+@pytest.mark.parametrize("B,L", [(1, 1056), (1, 4096), (1, 131072), (4, 4096), (8, 32768)])
 @pytest.mark.parametrize("where", ["first", "small", "boundary", "last"])
 def test_gpu_decode_real_shapes(B, L, where, dtype):
-    from model.triton.mla_decode import default_split
+    from model.triton.mla_decode import default_layout
     H, R, P, scale = 32, 512, 64, 192 ** -0.5
-    split = default_split(L, B, torch.device("cuda"))
+    split = default_layout(L, B, H, torch.device("cuda"))[0]
     pos = {"first": 0, "small": 37, "boundary": split, "last": L - 1}[where]
     q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], L + B, sharp=3.0)
     p = torch.tensor(pos, device="cuda")
@@ -134,16 +169,17 @@ def test_gpu_decode_real_shapes(B, L, where, dtype):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_decode_under_cuda_graph():
+@pytest.mark.parametrize("L", [1056, 8192, 65536])  # head groups (SHORT) at the first two, on the H200
+def test_gpu_decode_under_cuda_graph(L):
     """One capture, replayed at several positions (pos updated in place), matches eager calls."""
-    H, R, P, L = 32, 512, 64, 8192
+    H, R, P = 32, 512, 64
     q_lat, q_pe, c, k_pe = decode_inputs(1, H, R, P, L, torch.bfloat16, 3, device="cuda")
     pos = torch.tensor(0, device="cuda")
     mla_decode(q_lat, q_pe, c, k_pe, pos, 0.07)     # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = mla_decode(q_lat, q_pe, c, k_pe, pos, 0.07)
-    for p in (5, 4000, L - 1):
+    for p in (5, L // 2, L - 1):
         pos.fill_(p)
         graph.replay()
         torch.cuda.synchronize()
@@ -171,6 +207,11 @@ def test_decode_refuses_a_split_that_compiles_to_the_spilling_variant():
     for bad in (_BL, MIN_SPLIT + 1):
         with pytest.raises(ValueError, match="split must be a multiple"):
             mla_decode(q_lat, q_pe, c, k_pe, torch.tensor(3), 0.2, split=bad)
+    for bad in (SHORT_BL, 3 * SHORT_BL // 2):   # head groups: at least two of SHORT's steps
+        with pytest.raises(ValueError, match="split must be a multiple"):
+            mla_decode(q_lat, q_pe, c, k_pe, torch.tensor(3), 0.2, split=bad, heads=1)
+    with pytest.raises(ValueError, match="needs its split"):
+        mla_decode(q_lat, q_pe, c, k_pe, torch.tensor(3), 0.2, heads=1)
 
 
 @pytest.mark.parametrize("pos_at", ["middle", "last"])

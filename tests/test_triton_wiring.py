@@ -35,3 +35,16 @@ def test_kernel_selection_is_explicit():
     with pytest.raises(ValueError, match="kernel mode"):
         with ops.use("fast"):
             pass
+
+
+def test_decode_with_and_without_the_gate_b_fold(tiny, monkeypatch):
+    """ops.KDA_DECODE_FOLD_GATE_B picks the f_b|g_b GEMV inside the decode kernel or before it: the same tokens,
+    fp32 logits equal up to summation order."""
+    assert ops.KDA_DECODE_FOLD_GATE_B
+    prompt = PROMPTS[1]
+    with ops.use("triton"):
+        folded = generate_incremental(tiny, prompt, 6, keep_logits=True)
+        monkeypatch.setattr(ops, "KDA_DECODE_FOLD_GATE_B", False)
+        unfolded = generate_incremental(tiny, prompt, 6, keep_logits=True)
+    assert folded.tokens == unfolded.tokens
+    assert max(rel_err(a, b) for a, b in zip(folded.logits, unfolded.logits)) < 1e-5

@@ -7,6 +7,9 @@ is shared by the heads, so each latent row is read from memory once): scores [H,
 online softmax, acc [H, R] += p c. Each program writes its unnormalised acc and its (max, sum) to a fp32
 workspace; a second kernel merges the splits. The grid is fixed by the buffer's length (CUDA-graph safe), but
 programs whose split starts past pos return at once and nothing past pos is loaded, so the cost follows pos.
+Short buffers, which that layout would spread over only a few SMs (at 1k positions ~8 programs), are cut
+finer (`SHORT`): the heads into groups, one program per (head group, sequence, split), and the positions
+into shorter splits of smaller tiles; the workspace layout, and so the combine, stay the same.
 
 Precision: the cache is bf16 (or fp32), q_lat and p are fp32. tl.dot of bf16 operands multiplies exactly (a
 product of two bf16 is exact in fp32) and accumulates in fp32, so the fp32 operand is split into a bf16 head
@@ -26,6 +29,12 @@ import model.triton as mt
 # the [32, 512] fp32 accumulator alone is 64 registers/thread. Triton 3.6 does not multi-buffer this loop.
 _BL = 64  # cache positions per loop step
 _WARPS = 8
+# The layout for short buffers: `heads` heads a program and loop steps of `BL` positions (splits of down to
+# 2 * BL), taken when the buffer's splits of the standard layout at its shortest (MIN_SPLIT), with the heads
+# grouped, still fit on the SMs at once. sm_90, 16 heads x 512: 161 registers at BL=32 (8 warps), no spills;
+# BL=64: 205 (8 warps; 4 warps spill). At 1k positions: 34 programs (17 splits of 64, 2 head groups) against
+# 8. None: the standard layout at every length.
+SHORT: dict | None = dict(heads=16, BL=32)
 # An fp32 cache takes IEEE dots of fp32 tiles: at BL=64 they need 377 KB of shared memory (sm_90 has 227 KB;
 # the H200 refused the launch), at 16 positions 150 KB with no spills at 8 warps.
 _BL_FP32 = 16
@@ -52,19 +61,25 @@ def _dot_f32(a, b, acc, B_IS_BF16: tl.constexpr, MMA: tl.constexpr):
 @triton.jit
 def _mla_decode_split_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_part, qk_scale,
                              s_qpe_b, s_qpe_h, s_c_b, s_c_l, s_kpe_b, s_kpe_l,
-                             H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, HP: tl.constexpr,
-                             RP: tl.constexpr, PP: tl.constexpr, SPLIT: tl.constexpr, BL: tl.constexpr,
-                             BF16: tl.constexpr, MMA: tl.constexpr):
-    """One (sequence, split): positions [i_s * SPLIT, min((i_s + 1) * SPLIT, pos + 1)), all heads."""
-    i_b, i_s = tl.program_id(0), tl.program_id(1)
-    NS = tl.num_programs(1)
+                             H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, HG: tl.constexpr,
+                             HP: tl.constexpr, RP: tl.constexpr, PP: tl.constexpr, SPLIT: tl.constexpr,
+                             BL: tl.constexpr, BF16: tl.constexpr, MMA: tl.constexpr):
+    """One (head group, sequence, split): heads [i_g * HG, (i_g + 1) * HG) (HP >= HG of them in the tiles),
+    positions [i_s * SPLIT, min((i_s + 1) * SPLIT, pos + 1)). The head group is the grid's fastest axis, so
+    the groups of one split run side by side and all but the first find its cache rows in L2."""
+    i_g, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NS = tl.num_programs(2)
     pos = tl.load(pos_ptr).to(tl.int32)
     start = i_s * SPLIT
     if start > pos:
         return  # past the current position: nothing to read; the combine skips this split
     end = tl.minimum(start + SPLIT, pos + 1)
-    h, r, p = tl.arange(0, HP), tl.arange(0, RP), tl.arange(0, PP)
-    m_h, m_r, m_p = h < H, r < R, p < P
+    if HG >= H:
+        h = tl.arange(0, HP)  # one group: no head offset (a runtime one costs ~20 registers at 32 heads)
+    else:
+        h = i_g * HG + tl.arange(0, HP)
+    r, p = tl.arange(0, RP), tl.arange(0, PP)
+    m_h, m_r, m_p = (tl.arange(0, HP) < HG) & (h < H), r < R, p < P
     q = tl.load(q_lat + (i_b * H + h[:, None]) * R + r[None, :], mask=m_h[:, None] & m_r[None, :], other=0.)
     qp = tl.load(q_pe + i_b * s_qpe_b + h[:, None] * s_qpe_h + p[None, :], mask=m_h[:, None] & m_p[None, :],
                  other=0.).to(tl.float32)
@@ -135,21 +150,41 @@ def _pad(n: int) -> int:
 # At least two loop steps per split. With SPLIT == BL the loop is gone and ptxas builds a 32-register variant
 # that spills ~6 KB a thread (cuobjdump of the sm_90 build: 3,528 LDL, 2,647 STL); that variant took 129 us a
 # call inside the CUDA graph at 1k context (decomposition record b37af712), a quarter of the decode step.
-# Every SPLIT from 2*BL up compiles to the same spill-free 229-register kernel (tests/test_triton_kda.py).
+# Every SPLIT from 2*BL up compiles to the same spill-free 229-register kernel (tests/test_triton_kda.py); the
+# same holds for the head groups of SHORT at their BL (16 heads, SPLIT=BL=64: 3.9 KB of spills).
 MIN_SPLIT = 2 * _BL
 
 
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def default_split(L: int, B: int, device: torch.device) -> int:
-    """Positions per split: about one program per SM when the whole buffer is in use, a multiple of _BL, at
-    least MIN_SPLIT."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(MIN_SPLIT, _BL * triton.cdiv(triton.cdiv(L, max(1, sms // B)), _BL))
+    """Positions per split of the standard layout: about one program per SM when the whole buffer is in use, a
+    multiple of _BL, at least MIN_SPLIT."""
+    return max(MIN_SPLIT, _BL * triton.cdiv(triton.cdiv(L, max(1, _sms(device) // B)), _BL))
 
 
-def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None):
+def default_layout(L: int, B: int, H: int, device: torch.device) -> tuple[int, int]:
+    """(positions per split, heads per program) for a buffer of L positions: the standard layout (`default_split`,
+    all heads), or, where even its shortest splits with the heads grouped fit on the SMs at once, SHORT's:
+    about one program per SM when the whole buffer is in use, splits a multiple of SHORT's BL, at least two
+    steps of it."""
+    sms = _sms(device)
+    if SHORT is not None and SHORT["heads"] < H:
+        groups = triton.cdiv(H, SHORT["heads"])
+        if B * groups * triton.cdiv(L, MIN_SPLIT) <= sms:
+            bl = SHORT["BL"]
+            return max(2 * bl, bl * triton.cdiv(triton.cdiv(L, max(1, sms // (B * groups))), bl)), SHORT["heads"]
+    return default_split(L, B, device), H
+
+
+def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads: int | None = None):
     """Latent attention output [B,H,R] fp32 of q_lat [B,H,R] fp32 and q_pe [B,H,P] over c [B,L,R] and
-    k_pe [B,L,P] (bf16 or fp32, one dtype), positions 0..pos (a device scalar); `split` = positions per
-    program (a multiple of 64; default `default_split`)."""
+    k_pe [B,L,P] (bf16 or fp32, one dtype), positions 0..pos (a device scalar). `split` = positions per
+    program and `heads` = heads per program (both by default `default_layout`; a split alone takes all heads):
+    all heads take splits that are multiples of 64, at least MIN_SPLIT; fewer (SHORT's layout), multiples of
+    SHORT's BL, at least two of them."""
     B, H, R = q_lat.shape
     L, P = c.shape[1], k_pe.shape[-1]
     if c.dtype not in (torch.bfloat16, torch.float32) or k_pe.dtype != c.dtype:
@@ -157,20 +192,26 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None):
     assert q_lat.dtype == torch.float32 and q_lat.is_contiguous()
     assert c.stride(-1) == 1 and k_pe.stride(-1) == 1 and q_pe.stride(-1) == 1
     mt.require_runnable(_mla_decode_split_kernel, c.device)
-    split = split or default_split(L, B, c.device)
-    if split % _BL or split < MIN_SPLIT:
-        raise ValueError(f"mla_decode: split must be a multiple of {_BL} and >= {MIN_SPLIT}, got {split}")
+    if split is None:
+        if heads is not None:
+            raise ValueError("mla_decode: heads per program needs its split")
+        split, heads = default_layout(L, B, H, c.device)
+    heads = H if heads is None else min(heads, H)
+    unit = SHORT["BL"] if heads < H and SHORT is not None else _BL   # positions per loop step (bf16)
+    if heads < 1 or split % unit or split < 2 * unit:
+        raise ValueError(f"mla_decode: split must be a multiple of {unit} and >= {2 * unit} at {heads} heads a "
+                         f"program, got {split}")
     ns = triton.cdiv(L, split)
     o_part = mt.empty(B, ns, H, R, dtype=torch.float32, device=c.device)
     m_part = mt.empty(B, ns, H, dtype=torch.float32, device=c.device)
     l_part = mt.empty(B, ns, H, dtype=torch.float32, device=c.device)
     out = mt.empty(B, H, R, dtype=torch.float32, device=c.device)
     RP = _pad(R)
-    _mla_decode_split_kernel[(B, ns)](
+    _mla_decode_split_kernel[(triton.cdiv(H, heads), B, ns)](
         q_lat, q_pe, c, k_pe, pos, o_part, m_part, l_part, scale * 1.4426950408889634,
         q_pe.stride(0), q_pe.stride(1), c.stride(0), c.stride(1), k_pe.stride(0), k_pe.stride(1),
-        H=H, R=R, P=P, HP=_pad(H), RP=RP, PP=_pad(P), SPLIT=split,
-        BL=_BL if c.dtype == torch.bfloat16 else _BL_FP32, BF16=c.dtype == torch.bfloat16,
+        H=H, R=R, P=P, HG=heads, HP=_pad(heads), RP=RP, PP=_pad(P), SPLIT=split,
+        BL=unit if c.dtype == torch.bfloat16 else _BL_FP32, BF16=c.dtype == torch.bfloat16,
         MMA=_compiled(), num_warps=_WARPS)
     BR = min(RP, 128)
     nsp = triton.next_power_of_2(ns)
