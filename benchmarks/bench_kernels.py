@@ -108,7 +108,20 @@ def eager_ms(fn, n: int = 200) -> float:
 
 
 GRAPH_LAYERS = 32  # calls per timed CUDA graph, each on its own layer's weights or state (see graph_ms)
-GRAPH_TIMING = f"cuda-graph of {GRAPH_LAYERS} layers' calls, median of 20 replays, per call"
+
+
+def graph_timing(n: int) -> str:
+    """How graph_ms timed: the `timing` field of the records it gives."""
+    return f"cuda-graph of {n} layers' calls, median of 20 replays, per call"
+
+
+def kernel_record(params: dict, results: dict, reasons: list[str], device: str) -> dict:
+    from records import store
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else device
+    rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=name, weights=None, params=params,
+                            results=results, verdict="INVALID" if reasons else "VALID", reasons=reasons)
+    store.append(rec)
+    return rec
 
 
 def graph_ms(calls, reps: int = 20) -> float:
@@ -264,7 +277,6 @@ def decode_sweep(B: int) -> list[dict]:
     """Our decode step at each config of DECODE_SWEEP, timed as the model runs it (`graph_ms` over 32 layers,
     each with its own state and conv taps), the output checked against the default's. One record per config."""
     from model.triton.kda_decode import decode_config, fused_kda_decode
-    from records import store
     qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, out_gate, norm_w, state = decode_step_inputs(B)
     # each timed layer its own state and conv taps (the first layer's are the seeded ones)
     layers = [(state, taps)] + [(torch.randn_like(state), torch.randn_like(taps)) for _ in range(GRAPH_LAYERS - 1)]
@@ -287,16 +299,13 @@ def decode_sweep(B: int) -> list[dict]:
                                                                          b_raw, L[0], out_gate=out_gate,
                                                                          norm_weight=norm_w, cfg=cfg)
                                             for L in layers]),
-                       "rel_err_vs_default": err, "timing": GRAPH_TIMING}
+                       "rel_err_vs_default": err, "timing": graph_timing(len(layers))}
         except Exception as e:  # a config that fails to compile or run is recorded and skipped
             traceback.print_exc()
             results, reasons = {}, [f"{cfg} failed: {type(e).__name__}: {e}"]
         params = {"op": "kda_decode_step", "B": B, "T": 1, "H": H, "d": D, "dtype": "bfloat16", "sweep": True,
                   "cfg": {**decode_config(B), **cfg}}
-        rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=torch.cuda.get_device_name(),
-                                weights=None, params=params, results=results,
-                                verdict="INVALID" if reasons else "VALID", reasons=reasons)
-        store.append(rec)
+        rec = kernel_record(params, results, reasons, "cuda")
         recs.append(rec)
         log(f"  kda_decode_step B={B:<3d} {cfg}  ours={_ms(results.get('ours_ms'))} (graph)  {rec['verdict']}")
         if not reasons and (best is None or results["ours_ms"] < best[1]):
@@ -307,16 +316,6 @@ def decode_sweep(B: int) -> list[dict]:
 
 
 KDA_LAYERS, MLA_LAYERS = 20, 7  # the 48B-A3B's KDA and MLA layers: calls per timed graph
-GRAPH_TIMING = "cuda-graph of one call per layer, median of 20 replays, per call"
-
-
-def kernel_record(params: dict, results: dict, reasons: list[str], device: str) -> dict:
-    from records import store
-    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else device
-    rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=name, weights=None, params=params,
-                            results=results, verdict="INVALID" if reasons else "VALID", reasons=reasons)
-    store.append(rec)
-    return rec
 
 
 def versus(results: dict, reasons: list[str], ours, theirs, tol: float) -> None:
@@ -358,7 +357,7 @@ def kda_fold_case(B: int, device: str = "cuda") -> dict:
 
     params = {"op": "kda_decode_fold", "B": B, "T": 1, "H": H, "d": D, "dtype": "bfloat16",
               "ours_scope": "decode step with f_b|g_b in the kernel", "peer_scope": "batched GEMV, then the step"}
-    results, reasons = {"peer": "bmm+kernel", "timing": GRAPH_TIMING}, []
+    results, reasons = {"peer": "bmm+kernel", "timing": graph_timing(KDA_LAYERS)}, []
     try:
         first = layers[0]   # compared from pristine copies: the timed calls update state and taps in place
         o_ref = theirs((first[0].clone(), first[1].clone(), first[2]))
@@ -397,7 +396,7 @@ def mla_layout_case(T: int, device: str = "cuda") -> list[dict]:
         layout = ml.default_layout(T, 1, MLA_H, dev)
         params = {"op": "mla_decode_layout", "B": 1, "T": T, "H": MLA_H, "d": MLA_R + MLA_P, "dtype": "bfloat16",
                   "short": short, "split": layout[0], "heads": layout[1], "peer_split": split}
-        results, reasons = {"peer": "all-heads", "timing": GRAPH_TIMING}, []
+        results, reasons = {"peer": "all-heads", "timing": graph_timing(MLA_LAYERS)}, []
         try:
             o = ml.mla_decode(q_lat, q_pe, c, k_pe, pos, scale)
             o_peer = ml.mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split=split)
@@ -501,7 +500,6 @@ TORCH_PEER_CASES = {"causal_conv1d": conv_case, "moe_combine": combine_case}
 
 def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int, prep: str | None = None,
              per_kernel: bool = False) -> dict:
-    from records import store
     params = {"op": op, "B": B, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
     if op == "chunk_kda":
         params.update(prep=prep)
@@ -540,10 +538,7 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
                            f"> {tol}")
     elif not reasons:
         reasons.append("no peer time")
-    rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=torch.cuda.get_device_name(),
-                            weights=None, params=params, results=results,
-                            verdict="INVALID" if reasons else "VALID", reasons=reasons)
-    store.append(rec)
+    rec = kernel_record(params, results, reasons, "cuda")
     log(f"  {results}  {rec['verdict']} {reasons}")
     return rec
 
@@ -705,7 +700,7 @@ def moe_measure(case: MoeCase, part: str, cfg: dict | None, rep_ms: int, hbm_gbp
     ours_calls, peer_calls = case.calls(part, cfg)
     res["ours_ms"] = graph_ms(ours_calls)
     res["peer_ms"] = peer_ms if peer_ms is not None else graph_ms(peer_calls)
-    res["peer"], res["bytes"], res["timing"] = MOE_PEER, case.bytes[part], GRAPH_TIMING
+    res["peer"], res["bytes"], res["timing"] = MOE_PEER, case.bytes[part], graph_timing(GRAPH_LAYERS)
     for who in ("ours", "peer"):
         gbps = case.bytes[part] / (res[f"{who}_ms"] / 1e3) / 1e9
         res[f"{who}_gbps"], res[f"{who}_frac_of_nominal"] = gbps, gbps / NOMINAL_GBPS
@@ -721,7 +716,6 @@ def moe_measure(case: MoeCase, part: str, cfg: dict | None, rep_ms: int, hbm_gbp
 def moe_record(part: str, N: int, cfg: dict | None, results: dict, reasons: list[str], sweep: bool,
                device: str) -> dict:
     from model.triton import moe
-    from records import store
     default = {"moe_router": moe.ROUTER, "moe_gate_up": moe.GATE_UP, "moe_down": moe.DOWN}.get(part)
     params = {"kernel": part, "op": "moe_decode", "N": N, "E": MOE_E, "D": MOE_D, "I": MOE_I, "K": MOE_K,
               "shared_experts": 1, "dtype": "bfloat16"}
@@ -729,11 +723,7 @@ def moe_record(part: str, N: int, cfg: dict | None, results: dict, reasons: list
         params["cfg"] = {**default, **(cfg or {})}
     if sweep:
         params["sweep"] = True
-    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else device
-    rec = store.make_record("kernel", preset=None, dtype="bfloat16", device=name, weights=None, params=params,
-                            results=results, verdict="INVALID" if reasons else "VALID", reasons=reasons)
-    store.append(rec)
-    return rec
+    return kernel_record(params, results, reasons, device)
 
 
 def moe_line(part: str, N: int, cfg, x: dict, rec: dict) -> str:
