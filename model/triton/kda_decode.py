@@ -85,10 +85,14 @@ def _shift_taps(x, taps, i_b, ch0, N: tl.constexpr, C: tl.constexpr, W: tl.const
 
 @triton.jit
 def _softplus(x):
-    # torch's softplus (threshold 20); log1p(z) via log(1+z) * z / ((1+z) - 1) keeps tiny z exact
-    z = tl.exp(x)
+    # torch's softplus (threshold 20); log1p(z) via log(1+z) * z / ((1+z) - 1) keeps tiny z exact. Both
+    # where-branches are computed, so neither may divide 0 by 0 or inf by inf (NaNs that are discarded, but
+    # that numpy in the interpreter warns about): exp of min(x, 20), as past 20 x itself is returned, and the
+    # divisor 1 where 1 + z rounds to 1, as z itself is returned there.
+    z = tl.exp(tl.minimum(x, 20.))
     one_z = 1. + z
-    log1p = tl.where(one_z == 1., z, tl.log(one_z) * z / (one_z - 1.))
+    small = one_z == 1.
+    log1p = tl.where(small, z, tl.log(one_z) * z / tl.where(small, 1., one_z - 1.))
     return tl.where(x > 20., x, log1p)
 
 
