@@ -350,3 +350,43 @@ def test_decode_sweep_plumbing(records_dir, monkeypatch):
     assert {c["grid"] for c in bk.DECODE_SWEEP} == {"strided", "adjacent", "head"}
     assert all(r["results"]["rel_err_vs_default"] <= 1e-5 for r in recs)
     assert len(load(kinds="kernel", root=records_dir).records) == len(bk.DECODE_SWEEP)
+
+
+# ---- bench_kernels: the KDA decode step against the peer, graph-timed too ---------------------------
+
+def test_decode_case_times_both_sides_in_graphs(monkeypatch):
+    """`decode_case` on the CPU through the interpreter, small shapes, fake clocks, the peer a torch recurrence
+    with fla's signature: ours and the peer are compared, and both get a graph time beside the do_bench one;
+    a peer that fails inside the graph leaves peer_graph_error and keeps the record's verdict."""
+    from benchmarks import bench_kernels as bk
+    from model import kda
+    for name, value in (("H", 2), ("D", 16), ("GRAPH_LAYERS", 2)):
+        monkeypatch.setattr(bk, name, value)
+    monkeypatch.setattr(bk, "gpu_ms", lambda fn, rep_ms: (fn(), 0.02)[1])
+    monkeypatch.setattr(bk, "eager_ms", lambda fn: (fn(), 0.03)[1])
+    in_graph = []
+
+    def fake_graph_ms(calls):
+        in_graph.append(True)
+        try:
+            return ([c() for c in calls], 0.01 * len(in_graph))[1]
+        finally:
+            in_graph.pop()
+
+    monkeypatch.setattr(bk, "graph_ms", fake_graph_ms)
+
+    def recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, fail=False):
+        if fail and in_graph:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        o, s = kda.naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                       dtype=torch.float32)
+        return o.to(q.dtype), s
+
+    res, reasons = bk.decode_case(3, (None, recurrent, "torch"), 10, device="cpu")
+    assert not reasons and res["rel_err_vs_peer"] < 2e-2
+    assert (res["ours_ms"], res["peer_ms"], res["ours_graph_ms"], res["peer_graph_ms"]) == (0.02, 0.02, 0.01, 0.01)
+    assert res["timing_graph"].startswith("cuda-graph of 2 layers")
+    res, reasons = bk.decode_case(3, (None, lambda *a, **kw: recurrent(*a, **kw, fail=True), "torch"), 10,
+                                  device="cpu")
+    assert not reasons and "peer_ms" in res and "peer_graph_ms" not in res
+    assert "capturing" in res["peer_graph_error"]
