@@ -264,16 +264,11 @@ def decode_case(B: int, peer, rep_ms: int, device: str = "cuda") -> tuple[dict, 
 
 
 # the grids of model.triton.kda_decode: "strided" (the blocks of a head B*H programs apart) at every block size,
-# "adjacent" (a head's blocks on consecutive programs) up to 32 columns, and "head" (one program per head, its
-# blocks in turn, PF of them loaded ahead) at the block sizes and warps that compile for sm_90 without spills
-# (16 x 4 at PF 1: one value, 8 bytes)
+# "adjacent" (a head's blocks on consecutive programs) up to 32 columns
 DECODE_SWEEP = ([dict(grid="strided", BV=bv, num_warps=nw) for bv in (8, 16, 32, 64) for nw in (1, 2, 4, 8)
                  if bv * nw <= 256]
                 + [dict(grid="adjacent", BV=bv, num_warps=nw) for bv in (8, 16, 32) for nw in (1, 2, 4, 8)
-                   if bv * nw <= 256]
-                + [dict(grid="head", BV=bv, num_warps=nw, PF=pf)
-                   for bv, nw, pf in ((8, 2, 1), (8, 4, 1), (16, 4, 1), (16, 8, 1), (32, 8, 1), (32, 16, 1),
-                                      (128, 16, 1), (8, 4, 2), (16, 4, 2), (16, 8, 2), (32, 8, 2))])
+                   if bv * nw <= 256])
 
 
 # A config's bf16 output against the default's: another fp32 summation order flips the rounding of a few elements

@@ -1,16 +1,15 @@
 """One KDA decode step in one Triton launch: the fast twin of composing `model.kda.causal_conv1d`,
 `kda_gate`, sigmoid and `recurrent_kda_step` (and, optionally, the gated output RMSNorm).
 
-Two kernels, picked by the config's `grid`:
-- "strided" and "adjacent": one program per (sequence, head, block of BV state columns), the head's last
+One program per (sequence, head, block of BV state columns), laid out by the config's `grid`, the head's last
   block to finish shifting the conv taps and normalising o (at batch 1 and BV=32: 128 programs, each
   moving 16 KB of fp32 state in and out). "strided" numbers the programs head-fastest, so the D/BV blocks of
   one head's state run B*H programs apart (at batch 64, in different waves: each reads 4*BV bytes of every
   512-byte row while the rest of the row waits for a later wave); "adjacent" numbers them block-fastest, so a
   head's blocks run together and read its 64 KB of state as one region (fla's fused_recurrent grid order).
-- "head": one program per (sequence, head), walking the head's column blocks with the next PF blocks' loads
-  in flight during the current block's update: the conv, L2 norms and gate once per head instead of once
-  per block, and no arrival counter (no atomics, no waiting on the last block).
+A third grid, one program per (sequence, head) walking its column blocks with the next ones' loads in flight,
+was measured slower at every batch and removed (graph-timed, run of 5ac699e: B=64 106.7 us at best `18270871`
+against 87.7 us `a392ce5f`; B=1 11.2 us `3ee662cc` against 6.8 us `cea96aa3`).
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ import model.triton as mt
 DECODE = dict(BV=32, num_warps=4, grid="strided")
 DECODE_LARGE = dict(BV=32, num_warps=2, grid="adjacent")
 LARGE_BATCH = 16
-GRIDS = ("strided", "adjacent", "head")  # see the module docstring
+GRIDS = ("strided", "adjacent")  # see the module docstring
 
 
 def decode_config(B: int) -> dict:
@@ -186,60 +185,12 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
         tl.atomic_xchg(arrivals + i_bh, 0)
 
 
-@triton.jit
-def _kda_decode_head_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, scale, eps,
-                            H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                            HAS_NORM: tl.constexpr, PF: tl.constexpr):
-    """The step of `_kda_decode_kernel` for one whole (sequence, head) per program. Grid (B*H,).
-
-    q, k, the decay and beta once; then the D // BV blocks of state columns in turn, unrolled, the load
-    of the next PF blocks (1 or 2) issued before the current block's update, so that PF blocks are always
-    on their way in (the first during the q/k conv). The program owns the head: after a barrier it
-    shifts all of the head's conv taps and normalises o itself (rereading the row it stored, as the
-    model dtype rounded it).
-    """
-    NB: tl.constexpr = D // BV
-    i_bh = tl.program_id(0)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    cb = tl.arange(0, BV)
-    C: tl.constexpr = 3 * H * D
-    p_s = state + i_bh.to(tl.int64) * D * D + tl.arange(0, D)[:, None] * D + cb[None, :]
-    S_next = tl.load(p_s)
-    if PF == 2 and NB > 1:
-        S_after = tl.load(p_s + BV)
-
-    b_q, b_k, decay, b_beta = _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h, H, D, W, WP)
-    p_o = o + i_bh.to(tl.int64) * D
-    for j in tl.static_range(NB):
-        S = S_next
-        if PF == 2:
-            if j + 1 < NB:
-                S_next = S_after
-            if j + 2 < NB:
-                S_after = tl.load(p_s + (j + 2) * BV)
-        elif j + 1 < NB:
-            S_next = tl.load(p_s + (j + 1) * BV)
-        b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + j * BV + cb, C, W)
-        S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
-        tl.debug_barrier()  # this block's loads landed in every thread (a small tile is held by several)
-        tl.store(p_s + j * BV, S)
-        tl.store(p_o + j * BV + cb, b_o.to(o.dtype.element_ty))
-
-    tl.debug_barrier()  # every thread is done reading the taps and has stored its o
-    _shift_taps(qkv, taps, i_b, i_h * D, D, C, W, WP, 3, 4, H * D)  # the head's q, k and v channels
-    if HAS_NORM:
-        _gated_norm_row(p_o, out_gate + i_bh.to(tl.int64) * D, norm_w, eps, D)
-
-
 def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, scale=None, *,
                      out_gate=None, norm_weight=None, norm_eps=1e-5, cfg: dict | None = None):
     """One KDA decode step for B sequences, one launch (one program per sequence, head and block of BV
     state columns; a counter buffer per device (`model.triton.arrival_counters`) lets the last block of
-    each head finish it: one decode step at a time per device; or, with the "head" grid, one program per
-    sequence and head, no counters). `cfg` overrides `decode_config(B)`:
-    BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring) and, for the
-    "head" grid, PF (blocks loaded ahead: 1, the default, or 2).
+    each head finish it: one decode step at a time per device). `cfg` overrides `decode_config(B)`:
+    BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring).
 
     qkv_raw [B, 3*H*d]: the q|k|v projections before the conv (model dtype).
     conv_taps [B, W-1, 3*H*d]: the last W-1 projection inputs, updated in place.
@@ -301,12 +252,7 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     args = (qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_weight)
     meta = dict(H=H, D=D, W=W, WP=triton.next_power_of_2(W - 1), BV=BV, HAS_NORM=norm_weight is not None,
                 num_warps=c["num_warps"])
-    if c["grid"] == "head":
-        if c.get("PF", 1) not in (1, 2):
-            raise ValueError(f"fused_kda_decode: PF (blocks loaded ahead) must be 1 or 2, got {c['PF']!r}")
-        _kda_decode_head_kernel[(B * H,)](*args, scale, float(norm_eps), **meta, PF=c.get("PF", 1))
-    else:
-        adjacent = c["grid"] == "adjacent"
-        _kda_decode_kernel[(B * H * (D // BV),) if adjacent else (B * H, D // BV)](
-            *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), **meta, ADJACENT=adjacent)
+    adjacent = c["grid"] == "adjacent"
+    _kda_decode_kernel[(B * H * (D // BV),) if adjacent else (B * H, D // BV)](
+        *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), **meta, ADJACENT=adjacent)
     return o
