@@ -41,6 +41,24 @@ class ForgetGate(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(1, 1, n, 1))
 
 
+def check_one_dtype(linears, what: str) -> None:
+    dtypes = {m.weight.dtype for m in linears}
+    if len(dtypes) > 1:
+        raise TypeError(f"{what} projection weights must share one dtype to be packed, got {sorted(map(str, dtypes))}")
+
+
+def pack_linears(owner: nn.Module, buffer: str, linears: tuple[nn.Linear, ...], what: str, stack: bool = False):
+    """Copy the linears' weights into one tensor, registered on `owner` as a non-persistent `buffer`
+    (concatenated along the output rows, or stacked), and re-point each nn.Linear's weight to its view of it:
+    names, shapes and values stay as they were, so `state_dict()` sees no difference."""
+    check_one_dtype(linears, what)
+    packed = (torch.stack if stack else torch.cat)([m.weight for m in linears])
+    owner.register_buffer(buffer, packed, persistent=False)
+    views = packed if stack else packed.split([m.out_features for m in linears])
+    for m, w in zip(linears, views):
+        m.weight = nn.Parameter(w, requires_grad=False)
+
+
 class KimiDeltaAttention(nn.Module):
     """Inference only: the forward reads the packed weights (`pack_`), so no gradient reaches the nn.Linears."""
 
@@ -76,15 +94,9 @@ class KimiDeltaAttention(nn.Module):
         fg = self.forget_gate
         ins = (self.q_proj, self.k_proj, self.v_proj, fg.f_a_proj, self.g_a_proj, self.b_proj)
         outs = (fg.f_b_proj, self.g_b_proj)
-        dtypes = {m.weight.dtype for m in ins + outs}
-        if len(dtypes) > 1:
-            raise TypeError(f"KDA projection weights must share one dtype to be packed, got {sorted(map(str, dtypes))}")
-        self.register_buffer("in_proj_weight", torch.cat([m.weight for m in ins]), persistent=False)
-        self.register_buffer("gate_b_weight", torch.stack([m.weight for m in outs]), persistent=False)
-        for m, w in zip(ins, self.in_proj_weight.split([m.out_features for m in ins])):
-            m.weight = nn.Parameter(w, requires_grad=False)
-        for m, w in zip(outs, self.gate_b_weight):
-            m.weight = nn.Parameter(w, requires_grad=False)
+        check_one_dtype(ins + outs, "KDA")  # across both packs: the forward multiplies one by the other
+        pack_linears(self, "in_proj_weight", ins, "KDA")
+        pack_linears(self, "gate_b_weight", outs, "KDA", stack=True)
 
     def _project(self, x):
         """x [..., D] -> (q|k|v before the conv, f_b(f_a(x)), g_b(g_a(x)), b_proj(x)) in two launches: the six
@@ -140,15 +152,9 @@ class MultiLatentAttention(nn.Module):
     def pack_(self) -> None:
         """Copy the weights of q_proj and kv_a_proj_with_mqa into one [H*192 + R+P, D] tensor (`in_proj_weight`)
         and re-point both nn.Linears' weights to their views of it: one GEMV at batch-1 decode where two
-        latency-bound ones ran (the narrow kv_a projection alone took 6 us a layer). The same contract as
+        latency-bound ones ran (the narrow kv_a projection alone took 6.2 us a layer in decomposition eef02458). The same contract as
         `KimiDeltaAttention.pack_`: names, shapes and values unchanged; call again after assigning weights."""
-        ins = (self.q_proj, self.kv_a_proj_with_mqa)
-        if self.q_proj.weight.dtype != self.kv_a_proj_with_mqa.weight.dtype:
-            raise TypeError(f"MLA projection weights must share one dtype to be packed, got "
-                            f"{self.q_proj.weight.dtype} and {self.kv_a_proj_with_mqa.weight.dtype}")
-        self.register_buffer("in_proj_weight", torch.cat([m.weight for m in ins]), persistent=False)
-        for m, w in zip(ins, self.in_proj_weight.split([m.out_features for m in ins])):
-            m.weight = nn.Parameter(w, requires_grad=False)
+        pack_linears(self, "in_proj_weight", (self.q_proj, self.kv_a_proj_with_mqa), "MLA")
 
     def _project(self, x):
         """x [..., D] -> (q [..., H*192], kv [..., R+P]) in one launch."""

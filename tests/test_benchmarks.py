@@ -352,6 +352,28 @@ def test_decode_sweep_plumbing(records_dir, monkeypatch):
     assert len(load(kinds="kernel", root=records_dir).records) == len(bk.DECODE_SWEEP)
 
 
+def test_decode_sweep_flags_a_config_that_computes_something_else(records_dir, monkeypatch):
+    """The check against the default config's output must be able to fail: a config whose step is 1% off (far
+    past bf16 rounding, which DECODE_SWEEP_TOL allows) is recorded INVALID, the others stay VALID."""
+    from benchmarks import bench_kernels as bk
+    from model.triton import kda_decode
+    for name, value in (("H", 2), ("D", 32), ("GRAPH_LAYERS", 2),
+                        ("DECODE_SWEEP", [dict(grid="strided", BV=16, num_warps=1), dict(grid="adjacent", BV=16,
+                                                                                           num_warps=1)])):
+        monkeypatch.setattr(bk, name, value)
+    monkeypatch.setattr(bk, "graph_ms", lambda calls: ([c() for c in calls], 0.01)[1])
+    real = kda_decode.fused_kda_decode
+
+    def off_when_adjacent(*args, cfg=None, **kw):
+        o = real(*args, cfg=cfg, **kw)
+        return o * 1.01 if cfg and cfg["grid"] == "adjacent" else o
+
+    monkeypatch.setattr(kda_decode, "fused_kda_decode", off_when_adjacent)
+    recs = bk.decode_sweep(2, device="cpu")
+    assert [r["verdict"] for r in recs] == ["VALID", "INVALID"]
+    assert "differs from the default config" in recs[1]["reasons"][0]
+
+
 # ---- bench_kernels: the KDA decode step against the peer, graph-timed too ---------------------------
 
 def test_decode_case_times_both_sides_in_graphs(monkeypatch):

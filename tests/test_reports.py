@@ -186,17 +186,23 @@ def test_page_shows_in_headless_chromium(report, tmp_path):
     assert np.any(np.all(np.abs(pixels - ours) < 0.02, axis=-1)), "no 'ours' plot line in the screenshot"
 
 
+def bench_with_erratum(root, phase, context, results, fields, reason):
+    """An ours-vs-hf bench record and a later erratum naming `fields` of it, appended under root."""
+    from records import store
+    rec = store.make_record("bench", preset="p", dtype="bfloat16", device="cuda", weights="w",
+                            params={"phase": phase, "context": context, "batch": 1, "impl": "ours", "peer": "hf"},
+                            results={"peer": "hf", **results})
+    store.append(rec, root=root)
+    store.append(store.make_record("erratum", preset="p", dtype="bfloat16", device="cuda", weights="w",
+                                   params={"record": rec["id"], "fields": fields}, results={"reason": reason}),
+                 root=root)
+
+
 def test_an_erratum_removes_the_named_fields_from_the_report(tmp_path):
     """Records are append-only: a later erratum voids fields of an earlier record, and the report honours it."""
-    from records import store
     root = tmp_path / "rec"
-    bad = store.make_record("bench", preset="p", dtype="bfloat16", device="cuda", weights="w",
-                            params={"phase": "prefill", "context": 8192, "batch": 1, "impl": "ours", "peer": "hf"},
-                            results={"tok_s": 27000.0, "peer": "hf", "peer_tok_s": 1513.0})
-    store.append(bad, root=root)
-    store.append(store.make_record("erratum", preset="p", dtype="bfloat16", device="cuda", weights="w",
-                                   params={"record": bad["id"], "fields": ["results.peer_tok_s"]},
-                                   results={"reason": "peer timing included autotuning"}), root=root)
+    bench_with_erratum(root, "prefill", 8192, {"tok_s": 27000.0, "peer_tok_s": 1513.0}, ["results.peer_tok_s"],
+                       "peer timing included autotuning")
     render.render(records_root=root, out=tmp_path / "out")
     summary = (tmp_path / "out" / "SUMMARY.md").read_text()
     assert "1,513" not in summary and "peer timing included autotuning" in summary
@@ -207,15 +213,9 @@ def test_an_erratum_can_void_a_verdict_and_a_failed_render_keeps_the_last_report
     """An erratum naming `verdict` (a harness bug voided a good run, or passed a bad one) leaves the record out
     of every summary as VOIDED with the erratum's reason; the render does not crash on it. A render that fails
     on its records leaves the previous report's figures in place."""
-    from records import store
     root = tmp_path / "rec"
-    rec = store.make_record("bench", preset="p", dtype="bfloat16", device="cuda", weights="w",
-                            params={"phase": "decode", "context": 1024, "batch": 1, "impl": "ours-graph", "peer": "hf"},
-                            results={"tok_s": 4321.5, "peer": "hf", "peer_tok_s": 4.0})
-    store.append(rec, root=root)
-    store.append(store.make_record("erratum", preset="p", dtype="bfloat16", device="cuda", weights="w",
-                                   params={"record": rec["id"], "fields": ["verdict", "reasons"]},
-                                   results={"reason": "compared against a state the timing had changed"}), root=root)
+    bench_with_erratum(root, "decode", 1024, {"tok_s": 4321.5, "peer_tok_s": 4.0}, ["verdict", "reasons"],
+                       "compared against a state the timing had changed")
     out = tmp_path / "out"
     render.render(records_root=root, out=out)
     summary = (out / "SUMMARY.md").read_text()

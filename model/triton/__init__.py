@@ -23,6 +23,14 @@ def empty(*shape, dtype, device):
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
+def rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x as rows of n with contiguous columns, for kernels that take a row stride: a view when x's rows are
+    evenly spaced (a column slice of a wider tensor is, e.g. one half of a gate|up output or MLA's latent c
+    in the kv_a projection), else a copy."""
+    x = x.reshape(-1, n)
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
 # Arrival counters of the kernels whose last program to finish completes the work (the KDA decode step, the
 # fused MoE router): int32 zeros that such a program puts back to 0, so one buffer per device serves every
 # launch, CUDA-graph replays included. It is made once, large enough for any batch (B x heads), because a

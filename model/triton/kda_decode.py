@@ -63,16 +63,16 @@ def _short_conv(x, taps, conv_w, i_b, ch, C: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit(noinline=True)
-def _shift_taps(x, taps, i_b, ch0, N: tl.constexpr, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-                G: tl.constexpr = 1, GP: tl.constexpr = 1, GSTRIDE: tl.constexpr = 0):
-    """Drop the oldest tap and append the current input (taps hold the last W-1 inputs), for the N
-    channels from ch0, and for G such groups GSTRIDE channels apart (all read before any is written:
-    one round trip; GP, the lanes' group count, is G rounded up to a power of two). Rereads what it
-    moves; a separate function, so that its registers are not added to the state update's."""
+def _shift_taps(x, taps, i_b, i_h, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """Drop the oldest tap and append the current input (taps hold the last W-1 inputs), for the q, k and v
+    channels of head i_h (three groups of D, H*D apart; lanes for four, the fourth masked off), all read
+    before any is written: one round trip. Rereads what it moves; a separate function, so that its registers
+    are not added to the state update's."""
+    C: tl.constexpr = 3 * H * D
     j = tl.arange(0, WP)
-    lane = tl.arange(0, GP * N)
-    ch = ch0 + lane // N * GSTRIDE + lane % N
-    m_ch = lane < G * N
+    lane = tl.arange(0, 4 * D)
+    ch = i_h * D + lane // D * (H * D) + lane % D
+    m_ch = lane < 3 * D
     p_taps = taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :]
     keep = ((j >= 1) & (j < W - 1))[:, None] & m_ch[None, :]
     old = tl.load(p_taps, mask=keep, other=0.)
@@ -108,7 +108,7 @@ def _gated_norm_row(p_o, p_gate, norm_w, eps, D: tl.constexpr):
 
 @triton.jit
 def _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h,
-                 H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+                 H: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
     """What every column block of head i_h of sequence i_b needs: q = l2norm(silu(conv q)) * scale,
     k = l2norm(silu(conv k)), the decay exp(g) ([D] each) and beta."""
     cd = tl.arange(0, D)
@@ -166,7 +166,7 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     p_s = state + i_bh.to(tl.int64) * D * D + cd[:, None] * D + cv[None, :]
     S = tl.load(p_s)
 
-    b_q, b_k, decay, b_beta = _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h, H, D, W, WP)
+    b_q, b_k, decay, b_beta = _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h, H, D, W)
     b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + cv, C, W)
     S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
     p_o = o + i_bh.to(tl.int64) * D
@@ -179,7 +179,7 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     # channels in one round trip (a block's own v taps too, off the other blocks' critical path).
     tl.debug_barrier()
     if tl.atomic_add(arrivals + i_bh, 1) == D // BV - 1:
-        _shift_taps(qkv, taps, i_b, i_h * D, D, C, W, WP, 3, 4, H * D)
+        _shift_taps(qkv, taps, i_b, i_h, H, D, W, WP)
         if HAS_NORM:
             _gated_norm_row(p_o, out_gate + i_bh.to(tl.int64) * D, norm_w, eps, D)
         tl.atomic_xchg(arrivals + i_bh, 0)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 import model.triton as mt
+from model.triton.norms import _rms_normalize
 
 # The split kernel's tile and launch. sm_90 compile at 32 heads x 512 (tests/test_triton_kda.py sm90_spills):
 # BL=64 with 8 warps fits in 231 registers without spills (32 with 8 warps spills 8 bytes, 4 warps spill);
@@ -232,9 +233,8 @@ def _cache_append_kernel(kv, weight, c_cache, kpe_cache, pos_ptr, eps, s_kv, s_c
     to kv's dtype, times weight), kpe_cache[b, pos] = kv[b, R:]."""
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr).to(tl.int64)
-    r, p = tl.arange(0, RP), tl.arange(0, PP)
-    x = tl.load(kv + b * s_kv + r, mask=r < R, other=0.).to(tl.float32)
-    x = x * tl.rsqrt(tl.sum(x * x, axis=0) / R + eps)
+    r, p = tl.arange(0, RP)[None, :], tl.arange(0, PP)   # c as a one-row tile, as the norm kernel's rows
+    x = _rms_normalize(tl.load(kv + b * s_kv + r, mask=r < R, other=0.).to(tl.float32), R, eps)
     y = x.to(kv.dtype.element_ty).to(tl.float32) * tl.load(weight + r, mask=r < R, other=0.).to(tl.float32)
     tl.store(c_cache + b * s_cb + pos * s_cl + r, y.to(c_cache.dtype.element_ty), mask=r < R)
     k_pe = tl.load(kv + b * s_kv + R + p, mask=p < P, other=0.)

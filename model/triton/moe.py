@@ -134,7 +134,6 @@ def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, g
     `gate_up_cfg` / `down_cfg` override `GATE_UP` / `DOWN` (the benchmark's sweep).
     """
     N, D = x.shape
-    K = idx.shape[1]
     E, twoI, D2 = gate_up.shape
     I = twoI // 2
     if D2 != D or down.shape != (E, D, I):

@@ -12,6 +12,12 @@ import model.triton as mt
 
 
 @triton.jit
+def _rms_normalize(x, D: tl.constexpr, eps):
+    """x * rsqrt(mean(x^2) + eps) over the rows of an fp32 tile [ROWS, BD] of D values each (padding lanes 0)."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+
+
+@triton.jit
 def _rmsnorm_kernel(x, res, gate, weight, y, res_out, N, stride_x, D: tl.constexpr, eps,
                     BD: tl.constexpr, ROWS: tl.constexpr, ADD_RES: tl.constexpr, GATED: tl.constexpr):
     """y = rmsnorm(x) over rows of D. Grid (cdiv(N, ROWS),); tile [ROWS, BD] (BD = D padded to 2^n).
@@ -29,8 +35,7 @@ def _rmsnorm_kernel(x, res, gate, weight, y, res_out, N, stride_x, D: tl.constex
     if ADD_RES:
         b_x = (b_x.to(tl.float32) + tl.load(res + off, mask=mask, other=0.).to(tl.float32)).to(x.dtype.element_ty)
         tl.store(res_out + off, b_x, mask=mask)
-    b_xf = b_x.to(tl.float32)
-    b_xf = b_xf * tl.rsqrt(tl.sum(b_xf * b_xf, axis=1) / D + eps)[:, None]
+    b_xf = _rms_normalize(b_x.to(tl.float32), D, eps)
     b_w = tl.load(weight + cols, mask=cols < D, other=0.).to(tl.float32)
     if GATED:
         b_y = b_xf * b_w[None, :] * tl.sigmoid(tl.load(gate + off, mask=mask, other=0.).to(tl.float32))
@@ -59,10 +64,7 @@ def _launch(x, weight, eps, *, res=None, gate=None, out_dtype):
     y = mt.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = None if res is None else mt.empty(x.shape, dtype=x.dtype, device=x.device)
     if N:
-        # x as N rows: a view when its rows are evenly spaced (MLA's latent c, a column slice of the
-        # kv_a projection, is), else a copy
-        x_rows = x.reshape(N, D)
-        x_rows = x_rows if x_rows.stride(1) == 1 else x_rows.contiguous()
+        x_rows = mt.rows(x, D)
         BD = triton.next_power_of_2(D)
         rows = max(1, min(16, 4096 // BD))  # about 4096 elements per program
         _rmsnorm_kernel[(triton.cdiv(N, rows),)](x_rows, res, gate, weight, y, res_out, N, x_rows.stride(0), D,
