@@ -149,6 +149,14 @@ def graph_ms(calls, reps: int = 20) -> float:
     return ms[len(ms) // 2] / len(calls)
 
 
+def judge_peer(results: dict, reasons: list[str], tol: float) -> None:
+    """The speedup from both times; a relative RMS error against the peer past tol into reasons."""
+    results["speedup"] = results["peer_ms"] / results["ours_ms"]
+    if not results["rel_err_vs_peer"] <= tol:
+        reasons.append(f"ours differs from {results['peer']}: relative RMS error {results['rel_err_vs_peer']:.3g} "
+                       f"> {tol}")
+
+
 def time_peer(fn, compare, res: dict, reasons: list, rep_ms: int, eager: bool = False) -> None:
     """Run the peer once (outputs compared with ours by `compare`), then time it; a failure becomes a
     reason, and ours stays measured."""
@@ -323,14 +331,11 @@ MLA_LAYERS = 7  # the 48B-A3B's MLA layers: calls per timed graph
 
 
 def versus(results: dict, reasons: list[str], ours, theirs, tol: float) -> None:
-    """Speedup and the outputs' relative RMS error into results; a difference past tol into reasons."""
-    results["speedup"] = results["peer_ms"] / results["ours_ms"]
+    """The outputs' relative RMS error into results, then `judge_peer`; non-finite output into reasons."""
     results["rel_err_vs_peer"] = rel_err(ours, theirs)
     if not torch.isfinite(ours).all():
         reasons.append("ours produced non-finite values")
-    if not results["rel_err_vs_peer"] <= tol:
-        reasons.append(f"ours differs from {results['peer']}: relative RMS error {results['rel_err_vs_peer']:.3g} "
-                       f"> {tol}")
+    judge_peer(results, reasons, tol)
 
 
 MLA_SHORTS = (dict(heads=16, BL=32), dict(heads=16, BL=64))  # the SHORT layouts mla_decode_layout times
@@ -532,11 +537,7 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
         if peer_missing:
             reasons.append(peer_missing)
     if "peer_ms" in results:
-        results["speedup"] = results["peer_ms"] / results["ours_ms"]
-        tol = MLA_PEER_TOL if op == "mla_decode" else PEER_TOL
-        if not results["rel_err_vs_peer"] <= tol:
-            reasons.append(f"ours differs from {results['peer']}: relative RMS error {results['rel_err_vs_peer']:.3g} "
-                           f"> {tol}")
+        judge_peer(results, reasons, MLA_PEER_TOL if op == "mla_decode" else PEER_TOL)
     elif not reasons:
         reasons.append("no peer time")
     rec = kernel_record(params, results, reasons, "cuda")
@@ -707,10 +708,8 @@ def moe_measure(case: MoeCase, part: str, cfg: dict | None, rep_ms: int, hbm_gbp
         res[f"{who}_gbps"], res[f"{who}_frac_of_nominal"] = gbps, gbps / NOMINAL_GBPS
         if hbm_gbps:
             res[f"{who}_frac_of_measured"] = gbps / hbm_gbps
-    res["speedup"] = res["peer_ms"] / res["ours_ms"]
     res["measured_read_gbps"] = hbm_gbps
-    if not res["rel_err_vs_peer"] <= PEER_TOL:
-        reasons.append(f"ours differs from {MOE_PEER}: relative RMS error {res['rel_err_vs_peer']:.3g} > {PEER_TOL}")
+    judge_peer(res, reasons, PEER_TOL)
     return res, reasons
 
 
