@@ -170,13 +170,13 @@ def time_peer(fn, compare, res: dict, reasons: list, rep_ms: int, eager: bool = 
         reasons.append(f"peer failed: {type(e).__name__}: {e}")
 
 
-def gate_inputs(B, T, gen):
+def gate_inputs(B, T, gen, device="cuda"):
     """The model's gate and beta on random activations: g fp32 [B,T,H,D], beta [B,T,H]."""
     from model import kda
-    A_log = (torch.rand(H, generator=gen) * 3 - 1).cuda()
-    dt_bias = torch.randn(H * D, generator=gen).cuda()
-    f = torch.randn(B, T, H * D, generator=gen).cuda().to(DTYPE)
-    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen)).cuda().to(DTYPE)
+    A_log = (torch.rand(H, generator=gen) * 3 - 1).to(device)
+    dt_bias = torch.randn(H * D, generator=gen).to(device)
+    f = torch.randn(B, T, H * D, generator=gen).to(device).to(DTYPE)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen)).to(device).to(DTYPE)
     return kda.kda_gate(f, A_log, dt_bias, D), beta
 
 
@@ -324,6 +324,52 @@ def decode_sweep(B: int, device: str = "cuda") -> list[dict]:
             best = (cfg, results["ours_ms"])
     if best is not None:
         log(f"  best kda_decode_step B={B}: {best[0]} {best[1] * 1e3:.1f} us")
+    return recs
+
+
+# model.triton.kda_chunk's launch configs: the prep kernel's variant, slice and warps at the scan's default, then
+# the scan's columns and warps at the prep's default; each key's other values are the default's.
+CHUNK_SWEEP = ([dict(blocked=b, prep_warps=w, slice=s) for b in (False, True) for w in (4, 8) for s in (32, 64)]
+               + [dict(scan_bv=bv, scan_warps=w) for bv in (16, 32, 64) for w in (4, 8)])
+# bf16 outputs of two configs differ by the order of fp32 sums and tf32 roundings (relative RMS about 1e-3 against
+# fp64, tests/test_triton_kda.py); a wrong block or missing term gives errors of order 1
+CHUNK_SWEEP_TOL = 1e-2
+
+
+def chunk_sweep(T: int, rep_ms: int, device: str = "cuda") -> list[dict]:
+    """Our chunk prefill at each config of CHUNK_SWEEP (do_bench: a kernel pair of milliseconds), output and final
+    state checked against the default config's. One record per config."""
+    from model.triton.kda_chunk import CONFIG, chunk_kda_fwd
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, T, H, D, generator=gen).to(device).to(DTYPE) for _ in range(3))
+    g, beta = gate_inputs(1, T, gen, device)
+    h0 = torch.randn(1, H, D, D, generator=gen).to(device)
+
+    def run(cfg):
+        return chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True, cfg=cfg)
+
+    o0, h0_ref = run(None)
+    recs, best = [], None
+    for cfg in CHUNK_SWEEP:
+        reasons = []
+        try:
+            o, ht = run(cfg)
+            err = max(rel_err(o, o0), rel_err(ht, h0_ref))
+            if not err <= CHUNK_SWEEP_TOL:
+                reasons.append(f"differs from the default config: relative RMS error {err:.3g} > {CHUNK_SWEEP_TOL}")
+            results = {"ours_ms": gpu_ms(lambda: run(cfg), rep_ms), "rel_err_vs_default": err, "timing": "do_bench"}
+        except Exception as e:  # a config that fails to compile or run is recorded and skipped
+            traceback.print_exc()
+            results, reasons = {}, [f"{cfg} failed: {type(e).__name__}: {e}"]
+        params = {"op": "chunk_kda", "B": 1, "T": T, "H": H, "d": D, "dtype": "bfloat16", "sweep": True,
+                  "cfg": {**CONFIG, **cfg}}
+        rec = kernel_record(params, results, reasons, device)
+        recs.append(rec)
+        log(f"  chunk_kda T={T} {cfg}  ours={_ms(results.get('ours_ms'))}  {rec['verdict']}")
+        if not reasons and (best is None or results["ours_ms"] < best[1]):
+            best = (cfg, results["ours_ms"])
+    if best is not None:
+        log(f"  best chunk_kda T={T}: {best[0]} {best[1]:.3f} ms")
     return recs
 
 
@@ -799,6 +845,8 @@ def main(argv=None) -> None:
     ap.add_argument("--moe-sweep", action="store_true", help="moe_decode: also time every tile config of the grid")
     ap.add_argument("--decode-sweep", action="store_true",
                     help="kda_decode_step: also time every config of DECODE_SWEEP (CUDA-graph timing)")
+    ap.add_argument("--chunk-sweep", action="store_true",
+                    help="chunk_kda: also time every config of CHUNK_SWEEP at each --chunk-T")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
@@ -814,6 +862,9 @@ def main(argv=None) -> None:
         log(f"peer: {f'fla {peer[2]}' if peer else peer_missing}")
     recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms)
             for T in args.chunk_T.split(",") if T and "chunk_kda" in ops]
+    if args.chunk_sweep and "chunk_kda" in ops:
+        for T in (int(t) for t in args.chunk_T.split(",") if t):
+            chunk_sweep(T, args.rep_ms)
     recs += [run_case("kda_decode_step", int(B), 1, peer, peer_missing, args.rep_ms)
              for B in args.decode_B.split(",") if B and "kda_decode_step" in ops]
     if args.decode_sweep and "kda_decode_step" in ops:

@@ -374,6 +374,33 @@ def test_decode_sweep_flags_a_config_that_computes_something_else(records_dir, m
     assert "differs from the default config" in recs[1]["reasons"][0]
 
 
+# ---- bench_kernels: KDA chunk prefill sweep ------------------------------------------
+
+def test_chunk_sweep_plumbing_and_its_check(records_dir, monkeypatch):
+    """`--ops chunk_kda --chunk-sweep` on the CPU through the interpreter, small shapes, a fake clock: every
+    config runs, matches the default's output and is recorded VALID with its whole config; and the check can
+    fail: a config whose output is 5% off (past bf16 rounding, which CHUNK_SWEEP_TOL allows) is INVALID."""
+    from benchmarks import bench_kernels as bk
+    from model.triton import kda_chunk
+    for name, value in (("H", 2), ("D", 32), ("CHUNK_SWEEP", [dict(blocked=False), dict(blocked=True, slice=16),
+                                                              dict(scan_bv=16, scan_warps=4), dict(prep_warps=8)])):
+        monkeypatch.setattr(bk, name, value)
+    monkeypatch.setattr(bk, "gpu_ms", lambda fn, rep_ms: (fn(), 0.5)[1])
+    real = kda_chunk.chunk_kda_fwd
+
+    def off_at_8_warps(*args, cfg=None, **kw):
+        o, ht = real(*args, cfg=cfg, **kw)
+        return (o * 1.05, ht) if cfg and cfg.get("prep_warps") == 8 else (o, ht)
+
+    monkeypatch.setattr(kda_chunk, "chunk_kda_fwd", off_at_8_warps)
+    recs = bk.chunk_sweep(70, rep_ms=1, device="cpu")
+    assert [r["verdict"] for r in recs] == ["VALID", "VALID", "VALID", "INVALID"], [r["reasons"] for r in recs]
+    assert all(r["results"]["rel_err_vs_default"] <= 1e-2 for r in recs[:3])
+    assert "differs from the default config" in recs[3]["reasons"][0]
+    assert recs[1]["params"]["cfg"] == {**kda_chunk.CONFIG, "blocked": True, "slice": 16}
+    assert len(load(kinds="kernel", root=records_dir).records) == 4
+
+
 # ---- bench_kernels: the KDA decode step against the peer, graph-timed too ---------------------------
 
 def test_decode_case_times_both_sides_in_graphs(monkeypatch):

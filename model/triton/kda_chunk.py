@@ -38,10 +38,10 @@ import model.triton as mt
 
 CHUNK = 64
 _LOG2_CHUNK = 6
-_SLICE = 64  # columns of q, k, g, v the prep kernel holds at a time
-_BV = 32     # state columns per scan program
-_PREP_WARPS = 4  # see the module docstring: faster than 8 although it spills more
-_SCAN_WARPS = 8
+# Launch config: `blocked` (the pairs and the inverse inside sub-blocks of 2^log2_sub rows by the walk of
+# `_block_pairs` and forward substitution instead of tl.dot levels), the prep kernel's column slice and warps,
+# the scan kernel's state columns per program and warps. See the module docstring for how they were picked.
+CONFIG = dict(blocked=True, log2_sub=4, slice=64, prep_warps=4, scan_bv=32, scan_warps=8)
 
 
 @triton.jit
@@ -89,9 +89,43 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _block_pairs(q_s, k_s, k0, g0, n_live, S_K: tl.constexpr, S_G: tl.constexpr, BT: tl.constexpr,
+                 BK: tl.constexpr, BC: tl.constexpr):
+    """Partial sums (over this K slice) of the pairs inside each sub-block of BC rows, from raw (un-normalised)
+    q_s, k_s [BT, BK]: A_kk[t, s] = sum_c k_tc k_sc D_c(t, s) for s < t and A_qk[t, s] the same with q_t for
+    s <= t, D_c(t, s) = exp(g_{s+1} + ... + g_t) (1 at t = s); zero outside the sub-blocks.
+
+    Walks s down each sub-block, all sub-blocks at once (s = the sub-block's row j, j = BC-1 .. 0), carrying
+    D(t, s) = D(t, s+1) * exp(g_{s+1}): a product of factors <= 1, so it neither overflows nor loses digits
+    after a -1000 gate (relative error about BC ulp), and it needs no span sums. Row s of k and row s+1 of g
+    are gathered from memory for every row of the sub-block (L1-resident rereads of what q_s, k_s came from).
+    """
+    r = tl.arange(0, BT)
+    c = tl.arange(0, BT)
+    cb = tl.arange(0, BK)
+    loc = r % BC               # t's row in its sub-block
+    first = r - loc            # the sub-block's first row
+    D = tl.full([BT, BK], 1., tl.float32)
+    A_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    A_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i in range(BC):
+        j = BC - 1 - i
+        nxt = first + j + 1    # the next step's factor: exp(g_{s+1}) for the rows t > s
+        a = tl.exp(tl.load(g0 + nxt[:, None] * S_G + cb[None, :], mask=(nxt < n_live)[:, None], other=0.).to(tl.float32))
+        D = tl.where((loc > j)[:, None], D * a, D)
+        s = first + j
+        k_at_s = tl.load(k0 + s[:, None] * S_K + cb[None, :], mask=(s < n_live)[:, None], other=0.).to(tl.float32) * D
+        col = c[None, :] == s[:, None]
+        A_kk += tl.where(col & (loc > j)[:, None], tl.sum(k_s * k_at_s, axis=1)[:, None], 0.)
+        A_qk += tl.where(col & (loc >= j)[:, None], tl.sum(q_s * k_at_s, axis=1)[:, None], 0.)
+    return A_kk, A_qk
+
+
+@triton.jit
 def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                       LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+                       LOG2_BT: tl.constexpr, BLOCKED: tl.constexpr, LOG2_BC: tl.constexpr,
+                       L2NORM: tl.constexpr, PREC: tl.constexpr,
                        S_Q: tl.constexpr, S_K: tl.constexpr, S_V: tl.constexpr, S_G: tl.constexpr):
     """Per-chunk, state-free part of chunked KDA. Grid (NT, B*H); one program = one chunk of one head.
 
@@ -103,14 +137,17 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
     as zeros (g = 0, beta = 0), which makes every output row there exactly zero, so the scan kernel
     never needs a mask.
 
-    1. row norms of q and k (L2 norm; q also times scale);
-    2. Akk (times beta) and Aqk: the pairs s < t are visited by the highest bit in which t and s
-       differ, one tl.dot per level and slice (`_level_pairs`); the diagonal q_t.k_t is added to Aqk;
-    3. T = (I + Akk)^-1 by block doubling over the same levels: with Tb the inverse of the
+    1. Akk and Aqk from the raw q and k, with the row norms of q and k summed in the same pass and applied
+       at the end (A[t, s] * f[t] * f_k[s]: L2 norm, q also times scale; Akk also times beta). The pairs s < t
+       are visited by the highest bit in which t and s differ, one tl.dot per level and slice
+       (`_level_pairs`); with BLOCKED the levels inside sub-blocks of 2^LOG2_BC rows are replaced by
+       `_block_pairs` (a walk down the sub-block, no tl.dot), which also gives the diagonal q_t.k_t of Aqk;
+    2. T = (I + Akk)^-1 by block doubling over the same levels: with Tb the inverse of the
        block-diagonal part (blocks of `half`) and L the pairs of level `half` (lower-left block of
        each 2*half-block), the inverse with blocks of 2*half is Tb - Tb L Tb; from Tb = I six levels
-       give the full 64x64 inverse, every step an exact 2x2 block inverse (no series);
-    4. per slice: w = T (beta k e^G), qw = q e^G - Aqk w, kd = k e^(G_last - G) (the exponent summed
+       give the full 64x64 inverse, every step an exact 2x2 block inverse (no series). With BLOCKED the
+       sub-blocks' inverses come from forward substitution, row by row, all sub-blocks at once;
+    3. per slice: w = T (beta k e^G), qw = q e^G - Aqk w, kd = k e^(G_last - G) (the exponent summed
        from the end of the chunk), eglast = e^G_last; per V slice: u = T (beta v), ou = Aqk u.
     """
     i_t = tl.program_id(0)
@@ -129,34 +166,47 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
     v0 = v + tok0 * S_V + i_h * V
     b_beta = tl.load(beta + tok0 * H + i_h + r * H, mask=live, other=0.).to(tl.float32)
 
-    f_q = tl.zeros([BT], dtype=tl.float32) + scale      # row factors: q_t * f_q[t], k_t * f_k[t]
-    f_k = tl.zeros([BT], dtype=tl.float32) + 1.
-    if L2NORM:
-        ss_q = tl.zeros([BT], dtype=tl.float32)
-        ss_k = tl.zeros([BT], dtype=tl.float32)
-        for kk in range(0, K, BK):
-            q_s = _load_rows(q0 + kk, n_live, 0, S_Q, BT, BK)
-            k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK)
-            ss_q += tl.sum(q_s * q_s, axis=1)
-            ss_k += tl.sum(k_s * k_s, axis=1)
-        f_q = f_q / tl.sqrt(ss_q + 1e-6)
-        f_k = f_k / tl.sqrt(ss_k + 1e-6)
-
+    FIRST_LEVEL: tl.constexpr = LOG2_BC if BLOCKED else 0
+    ss_q = tl.zeros([BT], dtype=tl.float32)
+    ss_k = tl.zeros([BT], dtype=tl.float32)
     Akk = tl.zeros([BT, BT], dtype=tl.float32)
     Aqk = tl.zeros([BT, BT], dtype=tl.float32)
     for kk in range(0, K, BK):
-        q_s = _load_rows(q0 + kk, n_live, 0, S_Q, BT, BK) * f_q[:, None]
-        k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK) * f_k[:, None]
+        q_s = _load_rows(q0 + kk, n_live, 0, S_Q, BT, BK)
+        k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK)
         g_s = _load_rows(g0 + kk, n_live, 0, S_G, BT, BK)
-        for lvl in range(LOG2_BT):  # a loop, not unrolled: one level's tiles live at a time
+        ss_q += tl.sum(q_s * q_s, axis=1)
+        ss_k += tl.sum(k_s * k_s, axis=1)
+        for lvl in range(FIRST_LEVEL, LOG2_BT):  # a loop, not unrolled: one level's tiles live at a time
             A_kk, A_qk = _level_pairs(q_s, k_s, g_s, 1 << lvl, BT, PREC)
             Akk += A_kk
             Aqk += A_qk
-        Aqk += tl.where(r[:, None] == c[None, :], tl.sum(q_s * k_s, axis=1)[:, None], 0.)
-    Akk = Akk * b_beta[:, None]
+        if BLOCKED:
+            A_kk, A_qk = _block_pairs(q_s, k_s, k0 + kk, g0 + kk, n_live, S_K, S_G, BT, BK, 1 << LOG2_BC)
+            Akk += A_kk
+            Aqk += A_qk
+        else:
+            Aqk += tl.where(r[:, None] == c[None, :], tl.sum(q_s * k_s, axis=1)[:, None], 0.)
+    f_q = tl.zeros([BT], dtype=tl.float32) + scale      # row factors: q_t * f_q[t], k_t * f_k[t]
+    f_k = tl.zeros([BT], dtype=tl.float32) + 1.
+    if L2NORM:
+        f_q = f_q / tl.sqrt(ss_q + 1e-6)
+        f_k = f_k / tl.sqrt(ss_k + 1e-6)
+    Akk = Akk * (f_k * b_beta)[:, None] * f_k[None, :]
+    Aqk = Aqk * f_q[:, None] * f_k[None, :]
 
     Tm = (r[:, None] == c[None, :]).to(tl.float32)
-    for lvl in range(LOG2_BT):
+    if BLOCKED:
+        # forward substitution in every sub-block at once: row i of each is e_i - sum_{j<i} L[i, j] T[j, :].
+        # Its L row and T rows lie in its own sub-block's columns, so the sub-blocks' rows share one vector.
+        BC: tl.constexpr = 1 << LOG2_BC
+        same = (r[:, None] // BC) == (c[None, :] // BC)
+        for i in range(1, BC):
+            at_i = ((r % BC) == i)[:, None] & same
+            L_row = tl.sum(tl.where(at_i, Akk, 0.), axis=0)
+            new = tl.sum(L_row[:, None] * Tm, axis=0)
+            Tm = tl.where(at_i, Tm - new[None, :], Tm)
+    for lvl in range(FIRST_LEVEL, LOG2_BT):
         half = 1 << lvl
         coupling = (r[:, None] // (2 * half) == c[None, :] // (2 * half)) & (r[:, None] // half != c[None, :] // half)
         L = tl.where(coupling, Akk, 0.)
@@ -257,12 +307,14 @@ def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.contiguous(), H * D
 
 
-def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, l2norm_qk=True):
+def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, l2norm_qk=True,
+                  cfg: dict | None = None):
     """Chunked KDA forward; same layout and meaning as `model.kda.chunk_kda`.
 
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H] (float dtypes; g is the log decay, <= 0);
     initial_state [B, H, K, V] (cast to fp32) or None. Any T >= 0. q and k are L2-normalised inside
     when l2norm_qk; scale defaults to K^-0.5.
+    `cfg` overrides keys of CONFIG (for the benchmark's sweep).
     Returns (o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32, or None when not asked for).
     """
     if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
@@ -284,6 +336,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         raise ValueError(f"chunk_kda_fwd: initial_state must be [B, H, K, V] = {(B, H, K, V)}, "
                          f"got {tuple(initial_state.shape)}")
+    c = {**CONFIG, **(cfg or {})}
+    if set(c) != set(CONFIG):
+        raise ValueError(f"chunk_kda_fwd: unknown cfg keys {sorted(set(c) - set(CONFIG))}")
     mt.require_runnable(_kda_chunk_prep_kernel, q.device)
     scale = K ** -0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.to(device=q.device, dtype=torch.float32).contiguous()
@@ -306,11 +361,12 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     u, ou = (mt.empty(BH, NT * CHUNK, V, dtype=store, device=dev) for _ in range(2))
     eglast = mt.empty(BH, NT, K, dtype=torch.float32, device=dev)
     _kda_chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
-                                     H=H, K=K, V=V, BT=CHUNK, BK=min(_SLICE, K, V), LOG2_BT=_LOG2_CHUNK,
+                                     H=H, K=K, V=V, BT=CHUNK, BK=min(c["slice"], K, V), LOG2_BT=_LOG2_CHUNK,
+                                     BLOCKED=bool(c["blocked"]), LOG2_BC=c["log2_sub"],
                                      L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
-                                     num_warps=_PREP_WARPS)
-    BV = min(V, _BV)
+                                     num_warps=c["prep_warps"])
+    BV = min(V, c["scan_bv"])
     _kda_chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                                           H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None,
-                                          STORE_HT=ht is not None, PREC=prec, num_warps=_SCAN_WARPS, num_stages=1)
+                                          STORE_HT=ht is not None, PREC=prec, num_warps=c["scan_warps"], num_stages=1)
     return o, ht
