@@ -382,7 +382,7 @@ def test_chunk_sweep_plumbing_and_its_check(records_dir, monkeypatch):
     fail: a config whose output is 5% off (past bf16 rounding, which CHUNK_SWEEP_TOL allows) is INVALID."""
     from benchmarks import bench_kernels as bk
     from model.triton import kda_chunk
-    for name, value in (("H", 2), ("D", 32), ("CHUNK_SWEEP", [dict(blocked=False), dict(blocked=True, slice=16),
+    for name, value in (("H", 2), ("D", 32), ("CHUNK_SWEEP", [dict(slice=32), dict(slice=16),
                                                               dict(scan_bv=16, scan_warps=4), dict(prep_warps=8)])):
         monkeypatch.setattr(bk, name, value)
     monkeypatch.setattr(bk, "gpu_ms", lambda fn, rep_ms: (fn(), 0.5)[1])
@@ -397,7 +397,7 @@ def test_chunk_sweep_plumbing_and_its_check(records_dir, monkeypatch):
     assert [r["verdict"] for r in recs] == ["VALID", "VALID", "VALID", "INVALID"], [r["reasons"] for r in recs]
     assert all(r["results"]["rel_err_vs_default"] <= 1e-2 for r in recs[:3])
     assert "differs from the default config" in recs[3]["reasons"][0]
-    assert recs[1]["params"]["cfg"] == {**kda_chunk.CONFIG, "blocked": True, "slice": 16}
+    assert recs[1]["params"]["cfg"] == {**kda_chunk.CONFIG, "slice": 16}
     assert len(load(kinds="kernel", root=records_dir).records) == 4
 
 

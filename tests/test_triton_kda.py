@@ -549,7 +549,6 @@ def sm90_spills() -> dict:
                                                     **dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf), "eglast": f32,
                                                     "T": "i32", "NT": "i32", "scale": "fp32"},
                             dict(H=32, K=128, V=128, BT=kc.CHUNK, BK=kc.CONFIG["slice"], LOG2_BT=kc._LOG2_CHUNK,
-                                 BLOCKED=kc.CONFIG["blocked"], LOG2_BC=kc.CONFIG["log2_sub"],
                                  L2NORM=True, PREC="tf32", S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128,
                                  S_G=32 * 128), num_warps=kc.CONFIG["prep_warps"]),
         "scan": stack_bytes(kc._kda_chunk_scan_kernel, {**dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf),
@@ -695,7 +694,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["mla_split_short"] == spills["mla_split_short_step64"] == spills["mla_split_short_long"] == 0, spills
     assert spills["mla_split_short_fp32"] == 0 and spills["mla_cache_append"] == 0, spills
     # measured trade-offs, see model/triton/kda_chunk.py: the 4-warp prep spills and is still the fastest
-    assert spills["scan"] <= 16 and spills["prep"] <= 1280, spills
+    assert spills["scan"] <= 16 and spills["prep"] <= 512, spills
     assert spills["moe_router"] == 0, spills
     assert spills["conv"] == 0 and spills["moe_combine"] == 0, spills
     assert spills["silu_mul"] == 0 and spills["kda_gate"] == 0, spills

@@ -23,10 +23,15 @@ each far below what the inputs already carry (bf16: relative 2^-9):
   so a span sum E <= 0 is off by at most 2^-11 |E| and its decay e^E by at most 2^-11 |E| e^E
   <= 2^-11 / e = 1.8e-4 (absolute, for a factor <= 1);
 - w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32.
-Tiles and warps were picked by timing on the H200 (T=8192, 32 heads of 128, bf16): the prep kernel at
-64-column slices and 4 warps took 1.39 ms against 1.91 ms at 8 warps, though at 4 warps it spills about
-1.2 KB per thread (264 B at 8 warps); the scan kernel spills 16 B. tests/test_triton_kda.py bounds both
-(compiled offline with Triton's bundled ptxas).
+Tiles and warps were picked by timing on the H200 (T=8192, 32 heads of 128, bf16; `bench_kernels --chunk-sweep`,
+prep and scan together): 64-column slices over 4 warps, 1.98 ms `81c38245`, against 2.05 ms at 32 columns
+`550257a7` and 2.49 / 2.97 ms at 8 warps `815f8ad3` / `002cf791` (run of ecb55f4; at 1k and 32k the same order).
+At 4 warps the prep kernel spills about 400 B per thread, the scan kernel 16 B; tests/test_triton_kda.py bounds
+both (compiled offline with Triton's bundled ptxas).
+Measured and removed: a "blocked" prep (the pairs inside 16-row sub-blocks by a walk of decay products instead
+of the four small levels' tl.dots, their inverse by forward substitution) was slower at every length and
+config: 8192 tokens 2.81 ms at best `31edc9ae`, 3.24 ms at the default tiles `50b812e5`. The dots of the small
+levels are cheaper than the elementwise work that replaces them.
 """
 from __future__ import annotations
 
@@ -38,10 +43,9 @@ import model.triton as mt
 
 CHUNK = 64
 _LOG2_CHUNK = 6
-# Launch config: `blocked` (the pairs and the inverse inside sub-blocks of 2^log2_sub rows by the walk of
-# `_block_pairs` and forward substitution instead of tl.dot levels), the prep kernel's column slice and warps,
-# the scan kernel's state columns per program and warps. See the module docstring for how they were picked.
-CONFIG = dict(blocked=True, log2_sub=4, slice=64, prep_warps=4, scan_bv=32, scan_warps=8)
+# Launch config: the prep kernel's column slice and warps, the scan kernel's state columns per program and warps.
+# See the module docstring for how they were picked.
+CONFIG = dict(slice=64, prep_warps=4, scan_bv=32, scan_warps=8)
 
 
 @triton.jit
@@ -89,43 +93,9 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _block_pairs(q_s, k_s, k0, g0, n_live, S_K: tl.constexpr, S_G: tl.constexpr, BT: tl.constexpr,
-                 BK: tl.constexpr, BC: tl.constexpr):
-    """Partial sums (over this K slice) of the pairs inside each sub-block of BC rows, from raw (un-normalised)
-    q_s, k_s [BT, BK]: A_kk[t, s] = sum_c k_tc k_sc D_c(t, s) for s < t and A_qk[t, s] the same with q_t for
-    s <= t, D_c(t, s) = exp(g_{s+1} + ... + g_t) (1 at t = s); zero outside the sub-blocks.
-
-    Walks s down each sub-block, all sub-blocks at once (s = the sub-block's row j, j = BC-1 .. 0), carrying
-    D(t, s) = D(t, s+1) * exp(g_{s+1}): a product of factors <= 1, so it neither overflows nor loses digits
-    after a -1000 gate (relative error about BC ulp), and it needs no span sums. Row s of k and row s+1 of g
-    are gathered from memory for every row of the sub-block (L1-resident rereads of what q_s, k_s came from).
-    """
-    r = tl.arange(0, BT)
-    c = tl.arange(0, BT)
-    cb = tl.arange(0, BK)
-    loc = r % BC               # t's row in its sub-block
-    first = r - loc            # the sub-block's first row
-    D = tl.full([BT, BK], 1., tl.float32)
-    A_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    A_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    for i in range(BC):
-        j = BC - 1 - i
-        nxt = first + j + 1    # the next step's factor: exp(g_{s+1}) for the rows t > s
-        a = tl.exp(tl.load(g0 + nxt[:, None] * S_G + cb[None, :], mask=(nxt < n_live)[:, None], other=0.).to(tl.float32))
-        D = tl.where((loc > j)[:, None], D * a, D)
-        s = first + j
-        k_at_s = tl.load(k0 + s[:, None] * S_K + cb[None, :], mask=(s < n_live)[:, None], other=0.).to(tl.float32) * D
-        col = c[None, :] == s[:, None]
-        A_kk += tl.where(col & (loc > j)[:, None], tl.sum(k_s * k_at_s, axis=1)[:, None], 0.)
-        A_qk += tl.where(col & (loc >= j)[:, None], tl.sum(q_s * k_at_s, axis=1)[:, None], 0.)
-    return A_kk, A_qk
-
-
-@triton.jit
 def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                       LOG2_BT: tl.constexpr, BLOCKED: tl.constexpr, LOG2_BC: tl.constexpr,
-                       L2NORM: tl.constexpr, PREC: tl.constexpr,
+                       LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
                        S_Q: tl.constexpr, S_K: tl.constexpr, S_V: tl.constexpr, S_G: tl.constexpr):
     """Per-chunk, state-free part of chunked KDA. Grid (NT, B*H); one program = one chunk of one head.
 
@@ -140,13 +110,11 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
     1. Akk and Aqk from the raw q and k, with the row norms of q and k summed in the same pass and applied
        at the end (A[t, s] * f[t] * f_k[s]: L2 norm, q also times scale; Akk also times beta). The pairs s < t
        are visited by the highest bit in which t and s differ, one tl.dot per level and slice
-       (`_level_pairs`); with BLOCKED the levels inside sub-blocks of 2^LOG2_BC rows are replaced by
-       `_block_pairs` (a walk down the sub-block, no tl.dot), which also gives the diagonal q_t.k_t of Aqk;
+       (`_level_pairs`); the diagonal q_t.k_t is added to Aqk;
     2. T = (I + Akk)^-1 by block doubling over the same levels: with Tb the inverse of the
        block-diagonal part (blocks of `half`) and L the pairs of level `half` (lower-left block of
        each 2*half-block), the inverse with blocks of 2*half is Tb - Tb L Tb; from Tb = I six levels
-       give the full 64x64 inverse, every step an exact 2x2 block inverse (no series). With BLOCKED the
-       sub-blocks' inverses come from forward substitution, row by row, all sub-blocks at once;
+       give the full 64x64 inverse, every step an exact 2x2 block inverse (no series);
     3. per slice: w = T (beta k e^G), qw = q e^G - Aqk w, kd = k e^(G_last - G) (the exponent summed
        from the end of the chunk), eglast = e^G_last; per V slice: u = T (beta v), ou = Aqk u.
     """
@@ -166,7 +134,6 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
     v0 = v + tok0 * S_V + i_h * V
     b_beta = tl.load(beta + tok0 * H + i_h + r * H, mask=live, other=0.).to(tl.float32)
 
-    FIRST_LEVEL: tl.constexpr = LOG2_BC if BLOCKED else 0
     ss_q = tl.zeros([BT], dtype=tl.float32)
     ss_k = tl.zeros([BT], dtype=tl.float32)
     Akk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -177,16 +144,11 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         g_s = _load_rows(g0 + kk, n_live, 0, S_G, BT, BK)
         ss_q += tl.sum(q_s * q_s, axis=1)
         ss_k += tl.sum(k_s * k_s, axis=1)
-        for lvl in range(FIRST_LEVEL, LOG2_BT):  # a loop, not unrolled: one level's tiles live at a time
+        for lvl in range(LOG2_BT):  # a loop, not unrolled: one level's tiles live at a time
             A_kk, A_qk = _level_pairs(q_s, k_s, g_s, 1 << lvl, BT, PREC)
             Akk += A_kk
             Aqk += A_qk
-        if BLOCKED:
-            A_kk, A_qk = _block_pairs(q_s, k_s, k0 + kk, g0 + kk, n_live, S_K, S_G, BT, BK, 1 << LOG2_BC)
-            Akk += A_kk
-            Aqk += A_qk
-        else:
-            Aqk += tl.where(r[:, None] == c[None, :], tl.sum(q_s * k_s, axis=1)[:, None], 0.)
+        Aqk += tl.where(r[:, None] == c[None, :], tl.sum(q_s * k_s, axis=1)[:, None], 0.)
     f_q = tl.zeros([BT], dtype=tl.float32) + scale      # row factors: q_t * f_q[t], k_t * f_k[t]
     f_k = tl.zeros([BT], dtype=tl.float32) + 1.
     if L2NORM:
@@ -196,17 +158,7 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
     Aqk = Aqk * f_q[:, None] * f_k[None, :]
 
     Tm = (r[:, None] == c[None, :]).to(tl.float32)
-    if BLOCKED:
-        # forward substitution in every sub-block at once: row i of each is e_i - sum_{j<i} L[i, j] T[j, :].
-        # Its L row and T rows lie in its own sub-block's columns, so the sub-blocks' rows share one vector.
-        BC: tl.constexpr = 1 << LOG2_BC
-        same = (r[:, None] // BC) == (c[None, :] // BC)
-        for i in range(1, BC):
-            at_i = ((r % BC) == i)[:, None] & same
-            L_row = tl.sum(tl.where(at_i, Akk, 0.), axis=0)
-            new = tl.sum(L_row[:, None] * Tm, axis=0)
-            Tm = tl.where(at_i, Tm - new[None, :], Tm)
-    for lvl in range(FIRST_LEVEL, LOG2_BT):
+    for lvl in range(LOG2_BT):
         half = 1 << lvl
         coupling = (r[:, None] // (2 * half) == c[None, :] // (2 * half)) & (r[:, None] // half != c[None, :] // half)
         L = tl.where(coupling, Akk, 0.)
@@ -362,7 +314,6 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     eglast = mt.empty(BH, NT, K, dtype=torch.float32, device=dev)
     _kda_chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
                                      H=H, K=K, V=V, BT=CHUNK, BK=min(c["slice"], K, V), LOG2_BT=_LOG2_CHUNK,
-                                     BLOCKED=bool(c["blocked"]), LOG2_BC=c["log2_sub"],
                                      L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
                                      num_warps=c["prep_warps"])
     BV = min(V, c["scan_bv"])
