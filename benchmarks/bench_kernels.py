@@ -327,10 +327,12 @@ def decode_sweep(B: int, device: str = "cuda") -> list[dict]:
     return recs
 
 
-# model.triton.kda_chunk's launch configs: the prep kernel's slice and warps at the scan's default, then the scan's
-# columns and warps at the prep's default; each key's other values are the default's.
+# model.triton.kda_chunk's launch configs: the prep kernel's slice and warps at the scan's default, the scan's
+# columns and warps at the prep's default, and chunks of 32 (the prep's dots a quarter the size, twice the scan's
+# steps); each key's other values are the default's.
 CHUNK_SWEEP = ([dict(prep_warps=w, slice=s) for w in (4, 8) for s in (32, 64)]
-               + [dict(scan_bv=bv, scan_warps=w) for bv in (16, 32, 64) for w in (4, 8)])
+               + [dict(scan_bv=bv, scan_warps=w) for bv in (16, 32, 64) for w in (4, 8)]
+               + [dict(chunk=32, prep_warps=w, scan_warps=sw) for w in (2, 4) for sw in (4, 8)])
 # bf16 outputs of two configs differ by the order of fp32 sums and tf32 roundings (relative RMS about 1e-3 against
 # fp64, tests/test_triton_kda.py); a wrong block or missing term gives errors of order 1
 CHUNK_SWEEP_TOL = 1e-2

@@ -159,6 +159,25 @@ def test_chunk_matches_torch_and_fp64(T, B, K, V, regime, with_state, dtype, see
     assert_close(ht, rh, 1e-5 + 2 * rel_err(rh, nh), "state vs torch chunk")
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("regime", ["model", "mixed"])
+def test_chunk_lengths_of_the_config_agree_with_fp64(chunk, regime):
+    """The chunk length is a launch choice (CONFIG, swept by the benchmark): 16 and 32 are as exact as the default."""
+    q, k, v, g, beta, h0 = kda_inputs(1, 70, 2, 32, 32, regime, chunk)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=dict(chunk=chunk, slice=16))
+    no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
+    assert_close(o, no, 1e-5, "o vs fp64")
+    assert_close(ht, nh, 1e-5, "state vs fp64")
+
+
+def test_chunk_rejects_a_bad_config():
+    q, k, v, g, beta, h0 = kda_inputs(1, 5, 1, 16, 16, "model", 0)
+    with pytest.raises(ValueError, match="chunk must be"):
+        chunk_kda_fwd(q, k, v, g, beta, cfg=dict(chunk=48))
+    with pytest.raises(ValueError, match="unknown cfg keys"):
+        chunk_kda_fwd(q, k, v, g, beta, cfg=dict(warps=4))
+
+
 def test_chunk_empty_sequence_returns_the_initial_state():
     q, k, v, g, beta, h0 = kda_inputs(2, 0, 2, 16, 16, "model", 0)
     o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
@@ -548,13 +567,14 @@ def sm90_spills() -> dict:
         "prep": stack_bytes(kc._kda_chunk_prep_kernel, {**dict.fromkeys("qkv", bf), "g": f32, "beta": bf,
                                                     **dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf), "eglast": f32,
                                                     "T": "i32", "NT": "i32", "scale": "fp32"},
-                            dict(H=32, K=128, V=128, BT=kc.CHUNK, BK=kc.CONFIG["slice"], LOG2_BT=kc._LOG2_CHUNK,
+                            dict(H=32, K=128, V=128, BT=kc.CONFIG["chunk"], BK=kc.CONFIG["slice"],
+                                 LOG2_BT=kc.CONFIG["chunk"].bit_length() - 1,
                                  L2NORM=True, PREC="tf32", S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128,
                                  S_G=32 * 128), num_warps=kc.CONFIG["prep_warps"]),
         "scan": stack_bytes(kc._kda_chunk_scan_kernel, {**dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf),
                                                     **dict.fromkeys(["eglast", "h0", "ht"], f32), "o": bf,
                                                     "T": "i32", "NT": "i32"},
-                            dict(H=32, K=128, V=128, BT=kc.CHUNK, BV=kc.CONFIG["scan_bv"], HAS_H0=True,
+                            dict(H=32, K=128, V=128, BT=kc.CONFIG["chunk"], BV=kc.CONFIG["scan_bv"], HAS_H0=True,
                                  STORE_HT=True, PREC="tf32"), num_warps=kc.CONFIG["scan_warps"], num_stages=1),
         "decode": stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32",
                                                       "eps": "fp32"},

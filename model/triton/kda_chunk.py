@@ -41,11 +41,9 @@ import triton.language as tl
 
 import model.triton as mt
 
-CHUNK = 64
-_LOG2_CHUNK = 6
-# Launch config: the prep kernel's column slice and warps, the scan kernel's state columns per program and warps.
-# See the module docstring for how they were picked.
-CONFIG = dict(slice=64, prep_warps=4, scan_bv=32, scan_warps=8)
+# Launch config: the chunk length (BT, a power of two in [16, 64]), the prep kernel's column slice and warps, the
+# scan kernel's state columns per program and warps. See the module docstring for how they were picked.
+CONFIG = dict(chunk=64, slice=64, prep_warps=4, scan_bv=32, scan_warps=8)
 
 
 @triton.jit
@@ -291,6 +289,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     c = {**CONFIG, **(cfg or {})}
     if set(c) != set(CONFIG):
         raise ValueError(f"chunk_kda_fwd: unknown cfg keys {sorted(set(c) - set(CONFIG))}")
+    BT = c["chunk"]
+    if BT not in (16, 32, 64):
+        raise ValueError(f"chunk_kda_fwd: cfg chunk must be 16, 32 or 64, got {BT!r}")
     mt.require_runnable(_kda_chunk_prep_kernel, q.device)
     scale = K ** -0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.to(device=q.device, dtype=torch.float32).contiguous()
@@ -305,19 +306,19 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
 
     (q, s_q), (k, s_k), (v, s_v), (g, s_g) = (_token_rows(x) for x in (q, k, v, g))
     beta = beta.contiguous()
-    NT = triton.cdiv(T, CHUNK)
+    NT = triton.cdiv(T, BT)
     BH, dev = B * H, q.device
     exact = torch.float32 in (q.dtype, k.dtype, v.dtype)  # see "Precision" in the module docstring
     prec, store = ("tf32x3", torch.float32) if exact else ("tf32", torch.bfloat16)
-    w, qw, kd = (mt.empty(BH, NT * CHUNK, K, dtype=store, device=dev) for _ in range(3))
-    u, ou = (mt.empty(BH, NT * CHUNK, V, dtype=store, device=dev) for _ in range(2))
+    w, qw, kd = (mt.empty(BH, NT * BT, K, dtype=store, device=dev) for _ in range(3))
+    u, ou = (mt.empty(BH, NT * BT, V, dtype=store, device=dev) for _ in range(2))
     eglast = mt.empty(BH, NT, K, dtype=torch.float32, device=dev)
     _kda_chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
-                                     H=H, K=K, V=V, BT=CHUNK, BK=min(c["slice"], K, V), LOG2_BT=_LOG2_CHUNK,
+                                     H=H, K=K, V=V, BT=BT, BK=min(c["slice"], K, V), LOG2_BT=BT.bit_length() - 1,
                                      L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
                                      num_warps=c["prep_warps"])
     BV = min(V, c["scan_bv"])
     _kda_chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
-                                          H=H, K=K, V=V, BT=CHUNK, BV=BV, HAS_H0=h0 is not None,
+                                          H=H, K=K, V=V, BT=BT, BV=BV, HAS_H0=h0 is not None,
                                           STORE_HT=ht is not None, PREC=prec, num_warps=c["scan_warps"], num_stages=1)
     return o, ht
