@@ -43,7 +43,7 @@ import model.triton as mt
 
 # Launch config: the chunk length (BT, a power of two in [16, 64]), the prep kernel's column slice and warps, the
 # scan kernel's state columns per program and warps. See the module docstring for how they were picked.
-CONFIG = dict(chunk=64, slice=64, prep_warps=4, scan_bv=32, scan_warps=8)
+CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=8)
 
 
 @triton.jit
