@@ -299,40 +299,53 @@ def decode_sweep(B: int, device: str = "cuda") -> list[dict]:
 
     # the timing graphs update each layer's state and taps in place: outputs are compared from a pristine copy
     first = tuple(t.clone() for t in layers[0])
-    ref = step(first, None)
+
+    def timed(cfg):
+        return {"ours_ms": graph_ms([lambda L=L: fused_kda_decode(qkv_raw, L[1], conv_w, f, A_log, dt_bias, b_raw, L[0],
+                                                                  out_gate=out_gate, norm_weight=norm_w, cfg=cfg)
+                                     for L in layers]),
+                "timing": graph_timing(len(layers))}
+
+    params = {"op": "kda_decode_step", "B": B, "T": 1, "H": H, "d": D, "dtype": "bfloat16"}
+    return sweep(f"kda_decode_step B={B}", DECODE_SWEEP, decode_config(B), lambda cfg: (step(first, cfg),), timed,
+                 DECODE_SWEEP_TOL, params, device)
+
+
+def sweep(name: str, configs: list[dict], default: dict, run, timed, tol: float, params: dict,
+          device: str) -> list[dict]:
+    """One record per config (params with `sweep` and the whole config): its outputs `run(cfg)` held against the
+    default's `run(None)` by relative RMS error, the worst of them, then `timed(cfg)`. A config that fails to compile
+    or run is recorded INVALID and the sweep goes on. Logs the fastest valid config."""
+    ref = run(None)
     recs, best = [], None
-    for cfg in DECODE_SWEEP:
+    for cfg in configs:
         reasons = []
         try:
-            err = rel_err(step(first, cfg), ref)
-            if not err <= DECODE_SWEEP_TOL:
-                reasons.append(f"differs from the default config: relative RMS error {err:.3g} > {DECODE_SWEEP_TOL}")
-            results = {"ours_ms": graph_ms([lambda L=L: fused_kda_decode(qkv_raw, L[1], conv_w, f, A_log, dt_bias,
-                                                                         b_raw, L[0], out_gate=out_gate,
-                                                                         norm_weight=norm_w, cfg=cfg)
-                                            for L in layers]),
-                       "rel_err_vs_default": err, "timing": graph_timing(len(layers))}
+            err = max(rel_err(x, r) for x, r in zip(run(cfg), ref))
+            if not err <= tol:
+                reasons.append(f"differs from the default config: relative RMS error {err:.3g} > {tol}")
+            results = {**timed(cfg), "rel_err_vs_default": err}
         except Exception as e:  # a config that fails to compile or run is recorded and skipped
             traceback.print_exc()
             results, reasons = {}, [f"{cfg} failed: {type(e).__name__}: {e}"]
-        params = {"op": "kda_decode_step", "B": B, "T": 1, "H": H, "d": D, "dtype": "bfloat16", "sweep": True,
-                  "cfg": {**decode_config(B), **cfg}}
-        rec = kernel_record(params, results, reasons, device)
+        rec = kernel_record({**params, "sweep": True, "cfg": {**default, **cfg}}, results, reasons, device)
         recs.append(rec)
-        log(f"  kda_decode_step B={B:<3d} {cfg}  ours={_ms(results.get('ours_ms'))} (graph)  {rec['verdict']}")
+        log(f"  {name} {cfg}  ours={_ms(results.get('ours_ms'))} ({results.get('timing', '-')})  {rec['verdict']}")
         if not reasons and (best is None or results["ours_ms"] < best[1]):
             best = (cfg, results["ours_ms"])
     if best is not None:
-        log(f"  best kda_decode_step B={B}: {best[0]} {best[1] * 1e3:.1f} us")
+        log(f"  best {name}: {best[0]} {best[1]:.4f} ms")
     return recs
 
 
-# model.triton.kda_chunk's launch configs: the prep kernel's slice and warps at the scan's default, the scan's
-# columns and warps at the prep's default, and chunks of 32 (the prep's dots a quarter the size, twice the scan's
-# steps); each key's other values are the default's.
-CHUNK_SWEEP = ([dict(prep_warps=w, slice=s) for w in (4, 8) for s in (32, 64)]
-               + [dict(scan_bv=bv, scan_warps=w) for bv in (16, 32, 64) for w in (4, 8)]
-               + [dict(chunk=32, prep_warps=w, scan_warps=sw) for w in (2, 4) for sw in (4, 8)])
+# model.triton.kda_chunk's launch configs, around the default (chunks of 32, a 2-warp prep): the chunk length with
+# the prep's warps (but one warp for chunks of 64, which spills 6 KB per thread), the prep's slice, the scan's columns
+# and warps; each key's other values are the default's. The sweep of 57b6106 that picked the default tried chunks of
+# 64 at 4 and 8 warps, slices of 32 and 64, and the scan at 16 to 64 columns over 4 and 8 warps (records cited in
+# model/triton/kda_chunk.py).
+CHUNK_SWEEP = ([dict(chunk=c, prep_warps=w) for c in (16, 32, 64) for w in (1, 2, 4) if (c, w) != (64, 1)]
+               + [dict(slice=s) for s in (32, 128)]
+               + [dict(scan_bv=bv, scan_warps=w) for bv in (16, 32, 64) for w in (4, 8)])
 # bf16 outputs of two configs differ by the order of fp32 sums and tf32 roundings (relative RMS about 1e-3 against
 # fp64, tests/test_triton_kda.py); a wrong block or missing term gives errors of order 1
 CHUNK_SWEEP_TOL = 1e-2
@@ -350,29 +363,10 @@ def chunk_sweep(T: int, rep_ms: int, device: str = "cuda") -> list[dict]:
     def run(cfg):
         return chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True, cfg=cfg)
 
-    o0, h0_ref = run(None)
-    recs, best = [], None
-    for cfg in CHUNK_SWEEP:
-        reasons = []
-        try:
-            o, ht = run(cfg)
-            err = max(rel_err(o, o0), rel_err(ht, h0_ref))
-            if not err <= CHUNK_SWEEP_TOL:
-                reasons.append(f"differs from the default config: relative RMS error {err:.3g} > {CHUNK_SWEEP_TOL}")
-            results = {"ours_ms": gpu_ms(lambda: run(cfg), rep_ms), "rel_err_vs_default": err, "timing": "do_bench"}
-        except Exception as e:  # a config that fails to compile or run is recorded and skipped
-            traceback.print_exc()
-            results, reasons = {}, [f"{cfg} failed: {type(e).__name__}: {e}"]
-        params = {"op": "chunk_kda", "B": 1, "T": T, "H": H, "d": D, "dtype": "bfloat16", "sweep": True,
-                  "cfg": {**CONFIG, **cfg}}
-        rec = kernel_record(params, results, reasons, device)
-        recs.append(rec)
-        log(f"  chunk_kda T={T} {cfg}  ours={_ms(results.get('ours_ms'))}  {rec['verdict']}")
-        if not reasons and (best is None or results["ours_ms"] < best[1]):
-            best = (cfg, results["ours_ms"])
-    if best is not None:
-        log(f"  best chunk_kda T={T}: {best[0]} {best[1]:.3f} ms")
-    return recs
+    params = {"op": "chunk_kda", "B": 1, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
+    return sweep(f"chunk_kda T={T}", CHUNK_SWEEP, CONFIG, run,
+                 lambda cfg: {"ours_ms": gpu_ms(lambda: run(cfg), rep_ms), "timing": "do_bench"},
+                 CHUNK_SWEEP_TOL, params, device)
 
 
 MLA_LAYERS = 7  # the 48B-A3B's MLA layers: calls per timed graph
@@ -556,11 +550,15 @@ def combine_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
 TORCH_PEER_CASES = {"causal_conv1d": conv_case, "moe_combine": combine_case}
 
 
-def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int) -> dict:
+def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int, device: str = "cuda") -> dict:
     params = {"op": op, "B": B, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
     if op == "kda_decode_step":
+        from model.triton.kda_decode import decode_config
         params.update(ours_scope="conv-tap update through gated output norm, one launch",
-                      peer_scope="fused_recurrent_kda call alone")
+                      peer_scope="fused_recurrent_kda call alone", cfg=dict(decode_config(B)))
+    if op == "chunk_kda":
+        from model.triton.kda_chunk import CONFIG
+        params.update(cfg=dict(CONFIG))
     if op == "mla_decode":
         params.update(H=MLA_H, d=MLA_R + MLA_P, ours_scope="split-K kernel + combine, positions 0..T-1 read",
                       peer_scope="bf16 einsums + softmax over the whole T-position buffer")
@@ -588,7 +586,7 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
         judge_peer(results, reasons, MLA_PEER_TOL if op == "mla_decode" else PEER_TOL)
     elif not reasons:
         reasons.append("no peer time")
-    rec = kernel_record(params, results, reasons, "cuda")
+    rec = kernel_record(params, results, reasons, device)
     log(f"  {results}  {rec['verdict']} {reasons}")
     return rec
 

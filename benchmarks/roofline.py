@@ -27,7 +27,7 @@ from gates.memory import param_counts
 from model.config import KimiConfig, get_config
 
 GB = 1e9
-KDA_CHUNK = 64  # chunk length of the chunked KDA form (fla's and ours)
+KDA_CHUNK = 64  # chunk length of the chunked KDA form as fla runs it (the work counted, not our launch choice)
 
 
 # ---- bytes and FLOPs from the config ----------------------------------------------------------

@@ -437,8 +437,8 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
     sweeps = [r for r in kernels if get(r, "params.sweep")]
     kernels = [r for r in kernels if not get(r, "params.sweep")]
     if sweeps:
-        s.blocks.append(f"{len(sweeps)} launch-config sweep record(s) are not drawn (see `bench_kernels --moe-sweep` "
-                        f"and `--decode-sweep`; the defaults cite them).")
+        s.blocks.append(f"{len(sweeps)} launch-config sweep record(s) are not drawn (see `bench_kernels --moe-sweep`, "
+                        f"`--decode-sweep` and `--chunk-sweep`; the defaults cite them).")
     if not kernels:
         s.blocks.append(NO_RECORDS)
         return s
@@ -455,13 +455,33 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
     ax.invert_yaxis()
     ax.legend(fontsize=7)
     s.blocks.append(Figure(save(fig, out, "kernels"), "kernel timings", cite(latest)))
-    s.blocks.append(Table(["kernel", "ours ms", "peer", "peer ms", "speedup", "record", "machine", "commit"],
+    s.blocks.append(Table(["kernel", "ours ms", "peer", "peer ms", "speedup", "CUDA graph: ours / peer ms (speedup)",
+                           "config", "record", "machine", "commit"],
                           [[kernel_label(r), fmt(get(r, "results.ours_ms")), str(get(r, "results.peer", "—")),
                             fmt(get(r, "results.peer_ms")),
                             fmt(get(r, "results.peer_ms") and get(r, "results.ours_ms")
                                 and get(r, "results.peer_ms") / get(r, "results.ours_ms"), ".2f"),
-                            short_id(r), machine(r), commit(r)] for r in latest], cite(latest)))
+                            graph_cell(r), config_cell(r), short_id(r), machine(r), commit(r)] for r in latest],
+                          cite(latest)))
     return s
+
+
+def graph_cell(r: dict) -> str:
+    """Both sides timed in CUDA graphs (`bench_kernels`' ours_graph_ms / peer_graph_ms): for ~10 us kernels the
+    do_bench columns beside it count a launch per call, and swing from run to run."""
+    ours, peer = get(r, "results.ours_graph_ms"), get(r, "results.peer_graph_ms")
+    if ours is None:
+        return "—"
+    if peer is None:
+        return f"{fmt(ours)} / {get(r, 'results.peer_graph_error') or '—'}"
+    return f"{fmt(ours)} / {fmt(peer)} ({fmt(peer / ours, '.2f')})"
+
+
+def config_cell(r: dict) -> str:
+    """The launch config a record ran (params.cfg), where it says: the label leaves it out so that a kernel keeps
+    one row when its default changes."""
+    cfg = get(r, "params.cfg")
+    return "—" if not cfg else " ".join(f"{k}={v}" for k, v in cfg.items())
 
 
 def memory_section(memory: list[dict], out: Path) -> Section:

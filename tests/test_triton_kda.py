@@ -135,9 +135,10 @@ def run_decode(inp, **kw):
 @example(T=1, B=1, K=16, V=16, regime="minus1000", with_state=True, dtype="fp32", seed=0)
 @example(T=63, B=2, K=32, V=16, regime="minus5", with_state=True, dtype="fp32", seed=1)
 @example(T=65, B=1, K=16, V=32, regime="near0", with_state=True, dtype="bf16", seed=2)
+@example(T=33, B=1, K=32, V=16, regime="spikes", with_state=True, dtype="fp32", seed=5)
 @example(T=130, B=1, K=32, V=32, regime="mixed", with_state=True, dtype="fp32", seed=3)
 @example(T=130, B=2, K=32, V=32, regime="spikes", with_state=False, dtype="fp32", seed=4)
-@given(T=st.sampled_from([1, 2, 17, 63, 64, 65, 100, 128, 130]), B=st.integers(1, 2),
+@given(T=st.sampled_from([1, 2, 17, 31, 32, 33, 63, 64, 65, 100, 128, 130]), B=st.integers(1, 2),
        K=st.sampled_from([16, 32]), V=st.sampled_from([16, 32]), regime=st.sampled_from(REGIMES),
        with_state=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**16))
 def test_chunk_matches_torch_and_fp64(T, B, K, V, regime, with_state, dtype, seed):

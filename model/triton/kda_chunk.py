@@ -2,7 +2,7 @@
 
 Two kernels, both per (batch, head):
 
-1. `_kda_chunk_prep_kernel`, one program per chunk of BT=64 tokens, all chunks in parallel. It does
+1. `_kda_chunk_prep_kernel`, one program per chunk of BT tokens (CONFIG: 32), all chunks in parallel. It does
    everything that does not need the state: q/k L2 norm, the intra-chunk matrices Akk/Aqk with their
    pairwise decays, the UT-transform solve T = (I + Akk)^-1, and folds the results into five per-chunk
    operands of the state recurrence ([B*H, NT*BT, D] so a chunk is one contiguous slab; fp32 for fp32
@@ -23,11 +23,14 @@ each far below what the inputs already carry (bf16: relative 2^-9):
   so a span sum E <= 0 is off by at most 2^-11 |E| and its decay e^E by at most 2^-11 |E| e^E
   <= 2^-11 / e = 1.8e-4 (absolute, for a factor <= 1);
 - w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32.
-Tiles and warps were picked by timing on the H200 (T=8192, 32 heads of 128, bf16; `bench_kernels --chunk-sweep`,
-prep and scan together): 64-column slices over 4 warps, 1.98 ms `81c38245`, against 2.05 ms at 32 columns
-`550257a7` and 2.49 / 2.97 ms at 8 warps `815f8ad3` / `002cf791` (run of ecb55f4; at 1k and 32k the same order).
-At 4 warps the prep kernel spills about 400 B per thread, the scan kernel 16 B; tests/test_triton_kda.py bounds
-both (compiled offline with Triton's bundled ptxas).
+Chunk length, tiles and warps were picked by timing on the H200 (32 heads of 128, bf16; `bench_kernels
+--chunk-sweep`, prep and scan together, run of 57b6106): chunks of 32 with a 2-warp prep kernel, 1.446 ms at
+8192 tokens `d1ca4e4e` and 5.708 ms at 32768 `e9e0afa8`, against 1.991 / 7.773 ms for chunks of 64 with
+64-column slices over 4 warps `a574b62f` / `730ed1df`, the best at 64 (8 warps: 2.51 ms `267b4e17`). At 32
+the prep kernel's dots are a quarter the size and its levels five; the scan walks twice the chunks and the
+pair still costs less. At 1024 tokens the same order (0.197 against 0.265 ms, `98547fda`, `2e567ce7`). The
+prep kernel spills about 230 B per thread at the default, the scan kernel none; tests/test_triton_kda.py
+bounds both (compiled offline with Triton's bundled ptxas).
 Measured and removed: a "blocked" prep (the pairs inside 16-row sub-blocks by a walk of decay products instead
 of the four small levels' tl.dots, their inverse by forward substitution) was slower at every length and
 config: 8192 tokens 2.81 ms at best `31edc9ae`, 3.24 ms at the default tiles `50b812e5`. The dots of the small
