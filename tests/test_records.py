@@ -159,3 +159,52 @@ def test_provenance_on_this_cpu_box():
     assert commit is None or re.fullmatch(r"[0-9a-f]{40}", commit)
     assert prov["git"]["dirty"] in (True, False, None)
 
+
+
+# ---- records/import_run.py: records of a run on another box ----------------------------------------
+
+def _head() -> str:
+    import subprocess
+    from records.store import REPO_ROOT
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_import_run_appends_what_is_new_attributed_to_the_sent_commit(tmp_path, capsys):
+    """Records the box appended (one already here, one torn line) come in once each, with the commit that was sent
+    and the box's own git view kept; importing again adds nothing."""
+    from records import import_run
+    box, here = tmp_path / "box", tmp_path / "here"
+    shared, new_a, new_b = _bench(tok_s=1.0), _bench(tok_s=2.0), make_record(
+        "kernel", preset=None, dtype="bfloat16", device="H200", weights=None, params={"op": "x"}, results={})
+    for r in (shared, new_a, new_b):
+        append(r, root=box)
+    append(shared, root=here)
+    with open(box / "bench.jsonl", "ab") as f:
+        f.write(b'{"schema": 1, "id": "torn')
+    sha = _head()
+    assert import_run.main([str(box), "--commit", sha, "--note", "run 7", "--root", str(here)]) == 0
+    out = capsys.readouterr()
+    assert "imported 2 record(s), bench 1, kernel 1" in out.out and "torn or invalid JSON line" in out.err
+    got = {r["id"]: r for r in load(root=here).records}
+    assert set(got) == {shared["id"], new_a["id"], new_b["id"]}
+    assert got[shared["id"]]["git"] == shared["git"]  # what was here is untouched
+    g = got[new_a["id"]]["git"]
+    assert g["commit"] == sha and g["note"] == "run 7" and g["dirty"] is False
+    assert g["device_reported"] == {"commit": new_a["git"]["commit"], "dirty": new_a["git"]["dirty"]}
+    assert got[new_a["id"]]["results"] == new_a["results"] and got[new_a["id"]]["time"] == new_a["time"]
+    assert import_run.main([str(box), "--commit", sha, "--note", "run 7", "--root", str(here)]) == 0
+    assert "imported 0 record(s)" in capsys.readouterr().out
+    assert len(load(root=here).records) == 3
+
+
+@pytest.mark.parametrize("commit, note, match", [("abc123", "run", "full 40-digit"),
+                                                 ("0" * 40, "run", "not in this repository"),
+                                                 (None, " ", "--note must say")])
+def test_import_run_refuses_a_commit_it_cannot_vouch_for(tmp_path, capsys, commit, note, match):
+    from records import import_run
+    append(_bench(tok_s=1.0), root=tmp_path / "box")
+    code = import_run.main([str(tmp_path / "box"), "--commit", commit or _head(), "--note", note,
+                            "--root", str(tmp_path / "here")])
+    assert code == 2 and match in capsys.readouterr().err
+    assert not (tmp_path / "here").exists()
