@@ -114,8 +114,8 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
        (`_level_pairs`); the diagonal q_t.k_t is added to Aqk;
     2. T = (I + Akk)^-1 by block doubling over the same levels: with Tb the inverse of the
        block-diagonal part (blocks of `half`) and L the pairs of level `half` (lower-left block of
-       each 2*half-block), the inverse with blocks of 2*half is Tb - Tb L Tb; from Tb = I six levels
-       give the full 64x64 inverse, every step an exact 2x2 block inverse (no series);
+       each 2*half-block), the inverse with blocks of 2*half is Tb - Tb L Tb; from Tb = I, LOG2_BT levels
+       give the full BT x BT inverse, every step an exact 2x2 block inverse (no series);
     3. per slice: w = T (beta k e^G), qw = q e^G - Aqk w, kd = k e^(G_last - G) (the exponent summed
        from the end of the chunk), eglast = e^G_last; per V slice: u = T (beta v), ou = Aqk u.
     """
@@ -150,7 +150,8 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
             Akk += A_kk
             Aqk += A_qk
         Aqk += tl.where(r[:, None] == c[None, :], tl.sum(q_s * k_s, axis=1)[:, None], 0.)
-    f_q = tl.zeros([BT], dtype=tl.float32) + scale      # row factors: q_t * f_q[t], k_t * f_k[t]
+    # row factors, applied to the sums above and to q, k below: q_t * f_q[t], k_t * f_k[t]
+    f_q = tl.zeros([BT], dtype=tl.float32) + scale
     f_k = tl.zeros([BT], dtype=tl.float32) + 1.
     if L2NORM:
         f_q = f_q / tl.sqrt(ss_q + 1e-6)
