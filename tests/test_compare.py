@@ -87,11 +87,23 @@ def test_margin_is_the_logit_difference_or_a_lower_bound_of_it(logits, other):
 
 
 def test_near_tie_eps_by_dtype():
-    assert near_tie_eps(torch.bfloat16) == 0.0625 and near_tie_eps(torch.float32) == 1e-4
+    assert near_tie_eps(torch.bfloat16) == 0.125 and near_tie_eps(torch.float32) == 1e-4
     assert near_tie_eps(torch.float64) == near_tie_eps(torch.float32) < near_tie_eps(torch.float16) < near_tie_eps(torch.bfloat16)
     assert set(NEAR_TIE_EPS) == {torch.bfloat16, torch.float16, torch.float32, torch.float64}
     with pytest.raises(ValueError, match="no near-tie epsilon for dtype torch.int8"):
         near_tie_eps(torch.int8)
+
+
+def test_bf16_rounding_flip_is_a_near_tie_and_two_spacings_are_not():
+    """bf16 top logits differ by whole spacings (0.0625 in [8, 16)): one side's exact tie against the other's
+    one-spacing margin is what two roundings of one value give (tiny in bf16, record 9c7967c0), a near-tie;
+    a two-spacing margin is real."""
+    eps = near_tie_eps(torch.bfloat16)
+    ref = side("ref", IDS, lps(-1.5, -1.5))                    # tie: the ref kept the lower id
+    flip = side("test", [877, 1234] + IDS[2:], lps(-1.4375, -1.5))  # one spacing the other way
+    assert diagnose(4, 8, ref, flip, eps).verdict == "near-tie"
+    wide = side("test", [877, 1234] + IDS[2:], lps(-1.375, -1.5))   # two spacings
+    assert diagnose(4, 8, ref, wide, eps).verdict == "real"
 
 
 def _gen(tokens, logits=None):
