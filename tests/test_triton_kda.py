@@ -321,14 +321,15 @@ def test_decode_grids_match_the_default(B, H, d, W, dtype, A_shift, grid, BV, se
 
 
 @given(B=st.sampled_from([1, 3]), d=st.sampled_from([16, 32, 128]), dtype=st.sampled_from(sorted(DTYPES)),
-       grid=st.sampled_from(GRIDS), seed=st.integers(0, 2**16))
-def test_decode_fused_output_norm(B, d, dtype, grid, seed):
+       grid=st.sampled_from(GRIDS), BV=st.sampled_from([16, 128]), seed=st.integers(0, 2**16))
+def test_decode_fused_output_norm(B, d, dtype, grid, BV, seed):
+    """The norm finished by the head's last block (BV < d), or in registers by the head's one block (BV >= d)."""
     H = 2
     inp = decode_inputs(B, H, d, 4, DTYPES[dtype], seed)
     gen = torch.Generator().manual_seed(seed + 1)
     gate = torch.randn(B, H * d, generator=gen).to(DTYPES[dtype]).to(DEV)
     weight = torch.randn(d, generator=gen).to(DEV)
-    cfg = dict(grid=grid, BV=16)
+    cfg = dict(grid=grid, BV=BV)
     normed, state, _ = run_decode(inp, out_gate=gate, norm_weight=weight, norm_eps=1e-5, cfg=cfg)
     o, state_unfused, _ = run_decode(inp, cfg=cfg)
     assert torch.equal(state, state_unfused)
@@ -587,6 +588,11 @@ def sm90_spills() -> dict:
                             dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False), num_warps=8),
     }
     # the other decode grids at the configs of bench_kernels' DECODE_SWEEP: the largest spill of each
+    # one program per head (BV = D), which normalises o in registers and shifts the taps without the counter
+    out["decode_whole"] = max(
+        stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
+                    dict(H=32, D=128, W=4, WP=4, BV=128, HAS_NORM=norm, ADJACENT=False), num_warps=8)
+        for norm in (True, False))
     out["decode_adjacent"] = max(
         stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
                     dict(H=32, D=128, W=4, WP=4, BV=bv, HAS_NORM=True, ADJACENT=True), num_warps=nw)
@@ -708,7 +714,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["control"] == 0 and spills["broken"] is None, "the compile check cannot tell good from bad"
     assert spills["smem_guard"] == "caught", spills["smem_guard"]
     assert spills["decode"] == 0 and spills["norm"] == 0, spills
-    assert spills["decode_adjacent"] == 0, spills
+    assert spills["decode_adjacent"] == 0 and spills["decode_whole"] == 0, spills
     assert spills["moe_gate_up"] == 0 and spills["moe_down"] == 0 and spills["moe_route"] == 0, spills
     assert spills["mla_split"] == 0 and spills["mla_combine"] == 0 and spills["mla_absorb"] == 0, spills
     assert spills["mla_split_fp32"] == 0 and spills["mla_split_min"] == 0, spills
@@ -766,8 +772,8 @@ def test_gpu_chunk_saturated_gates(regime):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B", [1, 8, 64])
 @pytest.mark.parametrize("cfg", [None, dict(grid="adjacent", BV=16, num_warps=4), dict(grid="strided", BV=16, num_warps=4),
-                                 dict(grid="adjacent", BV=32, num_warps=2)],
-                         ids=["default", "adjacent16", "strided16", "adjacent32"])
+                                 dict(grid="adjacent", BV=32, num_warps=2), dict(grid="strided", BV=128, num_warps=8)],
+                         ids=["default", "adjacent16", "strided16", "adjacent32", "whole128"])
 def test_gpu_decode_real_shapes(B, dtype, cfg, no_tf32):
     """Several steps in a row at 32 heads x 128 (several state blocks per head, finished by whichever
     block comes last): every step's o, state and taps against the composition

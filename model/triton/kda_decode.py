@@ -10,6 +10,9 @@ One program per (sequence, head, block of BV state columns), laid out by the con
 A third grid, one program per (sequence, head) walking its column blocks with the next ones' loads in flight,
 was measured slower at every batch and removed (graph-timed, run of 5ac699e: B=64 106.7 us at best `18270871`
 against 87.7 us `a392ce5f`; B=1 11.2 us `3ee662cc` against 6.8 us `cea96aa3`).
+With BV = D a head is one program in either grid: no counter, o normalised in registers and stored once, the taps
+shifted by the same program. At D = 128 that is 32 programs at batch 1, each moving the head's 64 KB; compiled
+for sm_90 without spills (tests/test_triton_kda.py) and in `bench_kernels`' DECODE_SWEEP, not yet timed.
 """
 from __future__ import annotations
 
@@ -95,13 +98,18 @@ def _softplus(x):
     return tl.where(x > 20., x, log1p)
 
 
+@triton.jit
+def _gated_norm(o_row, gate, w, eps, D: tl.constexpr):
+    """rmsnorm(o) * w * sigmoid(gate) for one whole row of D values (fp32 in, fp32 out; o as stored)."""
+    return o_row * tl.rsqrt(tl.sum(o_row * o_row) / D + eps) * w * tl.sigmoid(gate)
+
+
 @triton.jit(noinline=True)
 def _gated_norm_row(p_o, p_gate, norm_w, eps, D: tl.constexpr):
     """o <- rmsnorm(o) * norm_w * sigmoid(gate) in place, for one row of D (o as stored, in its dtype)."""
     cd = tl.arange(0, D)
     o_row = tl.load(p_o + cd, cache_modifier=".cg").to(tl.float32)   # o of other programs: skip L1
-    o_row = o_row * tl.rsqrt(tl.sum(o_row * o_row) / D + eps) * tl.load(norm_w + cd).to(tl.float32)
-    o_row = o_row * tl.sigmoid(tl.load(p_gate + cd).to(tl.float32))
+    o_row = _gated_norm(o_row, tl.load(p_gate + cd).to(tl.float32), tl.load(norm_w + cd).to(tl.float32), eps, D)
     tl.debug_barrier()
     tl.store(p_o + cd, o_row.to(p_o.dtype.element_ty))
 
@@ -150,7 +158,8 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     head's last block to finish (counted in `arrivals`, which it resets to 0): shifting the conv taps
     (the q and k taps, which every block reads, and with them the v taps), and, with HAS_NORM, replacing o by
     rmsnorm(o) * norm_w * sigmoid(out_gate) (KimiLinearRMSNormGated on the o rounded to the model
-    dtype, as the unfused path would see it), which needs the whole row of o.
+    dtype, as the unfused path would see it), which needs the whole row of o. With BV = D a head is one
+    block: it normalises o in registers, stores it once and shifts the taps, with no counter.
     """
     if ADJACENT:
         i_bh = tl.program_id(0) // (D // BV)
@@ -170,19 +179,27 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + cv, C, W)
     S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
     p_o = o + i_bh.to(tl.int64) * D
-    tl.debug_barrier()  # every load of this block's state landed before any of it is overwritten
+    WHOLE: tl.constexpr = BV == D  # one block holds the head: nothing to wait for
+    if WHOLE and HAS_NORM:  # the whole row of o is here: normalise it before it is stored
+        b_o = _gated_norm(b_o.to(o.dtype.element_ty).to(tl.float32),
+                          tl.load(out_gate + i_bh.to(tl.int64) * D + cv).to(tl.float32),
+                          tl.load(norm_w + cv).to(tl.float32), eps, D)
+    tl.debug_barrier()  # every load of this block's state (and taps) landed before any of it is overwritten
     tl.store(p_s, S)
     tl.store(p_o + cv, b_o.to(o.dtype.element_ty))
 
-    # Report in once every thread of this block is done with the taps and has stored its o (acq_rel
-    # atomic); the last of the head's blocks to report finishes the head: the taps of all its q, k and v
-    # channels in one round trip (a block's own v taps too, off the other blocks' critical path).
-    tl.debug_barrier()
-    if tl.atomic_add(arrivals + i_bh, 1) == D // BV - 1:
+    if WHOLE:
         _shift_taps(qkv, taps, i_b, i_h, H, D, W, WP)
-        if HAS_NORM:
-            _gated_norm_row(p_o, out_gate + i_bh.to(tl.int64) * D, norm_w, eps, D)
-        tl.atomic_xchg(arrivals + i_bh, 0)
+    else:
+        # Report in once every thread of this block is done with the taps and has stored its o (acq_rel
+        # atomic); the last of the head's blocks to report finishes the head: the taps of all its q, k and v
+        # channels in one round trip (a block's own v taps too, off the other blocks' critical path).
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals + i_bh, 1) == D // BV - 1:
+            _shift_taps(qkv, taps, i_b, i_h, H, D, W, WP)
+            if HAS_NORM:
+                _gated_norm_row(p_o, out_gate + i_bh.to(tl.int64) * D, norm_w, eps, D)
+            tl.atomic_xchg(arrivals + i_bh, 0)
 
 
 def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, scale=None, *,
