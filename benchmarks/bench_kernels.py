@@ -180,12 +180,17 @@ def gate_inputs(B, T, gen, device="cuda"):
     return kda.kda_gate(f, A_log, dt_bias, D), beta
 
 
+def chunk_inputs(T: int, device: str = "cuda") -> tuple:
+    """Seeded inputs of one KDA layer's chunk prefill of T tokens, batch 1: (q, k, v, g, beta, h0)."""
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, T, H, D, generator=gen).to(device).to(DTYPE) for _ in range(3))
+    g, beta = gate_inputs(1, T, gen, device)
+    return q, k, v, g, beta, torch.randn(1, H, D, D, generator=gen).to(device)
+
+
 def chunk_case(T: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
     from model.triton.kda_chunk import chunk_kda_fwd
-    gen = torch.Generator().manual_seed(T)
-    q, k, v = (torch.randn(1, T, H, D, generator=gen).cuda().to(DTYPE) for _ in range(3))
-    g, beta = gate_inputs(1, T, gen)
-    h0 = torch.randn(1, H, D, D, generator=gen).cuda()
+    q, k, v, g, beta, h0 = chunk_inputs(T)
 
     def ours():
         return chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True)
@@ -358,10 +363,7 @@ def chunk_sweep(T: int, rep_ms: int, device: str = "cuda") -> list[dict]:
     """Our chunk prefill at each config of CHUNK_SWEEP (do_bench: a kernel pair of milliseconds), output and final
     state checked against the default config's. One record per config."""
     from model.triton.kda_chunk import CONFIG, chunk_kda_fwd
-    gen = torch.Generator().manual_seed(T)
-    q, k, v = (torch.randn(1, T, H, D, generator=gen).to(device).to(DTYPE) for _ in range(3))
-    g, beta = gate_inputs(1, T, gen, device)
-    h0 = torch.randn(1, H, D, D, generator=gen).to(device)
+    q, k, v, g, beta, h0 = chunk_inputs(T, device)
 
     def run(cfg):
         return chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True, cfg=cfg)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 import model.triton as mt
+from model.triton.norms import _rms_normalize
 
 
 # Launch configs (state columns per program, warps) by batch, from the CUDA-graph-timed sweep of
@@ -100,8 +101,9 @@ def _softplus(x):
 
 @triton.jit
 def _gated_norm(o_row, gate, w, eps, D: tl.constexpr):
-    """rmsnorm(o) * w * sigmoid(gate) for one whole row of D values (fp32 in, fp32 out; o as stored)."""
-    return o_row * tl.rsqrt(tl.sum(o_row * o_row) / D + eps) * w * tl.sigmoid(gate)
+    """rmsnorm(o) * w * sigmoid(gate) for one whole row of D values (fp32 in, fp32 out; o as stored): the norm
+    kernel's `_rms_normalize` on o as a one-row tile."""
+    return tl.reshape(_rms_normalize(o_row[None, :], D, eps), [D]) * w * tl.sigmoid(gate)
 
 
 @triton.jit(noinline=True)
