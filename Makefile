@@ -19,6 +19,7 @@ export PYTHONUNBUFFERED := 1
 PRESET ?=
 MODEL ?=
 DTYPE ?=
+EXPERT_DTYPE ?=
 DEVICE ?=
 NEW_TOKENS ?=
 FLOOR_GIB ?=
@@ -27,6 +28,7 @@ GOLDEN ?=
 SEED ?=
 KERNELS ?=
 GATE_FLAGS = $(if $(PRESET),--preset $(PRESET)) $(if $(MODEL),--model $(MODEL)) $(if $(DTYPE),--dtype $(DTYPE)) \
+  $(if $(EXPERT_DTYPE),--expert-dtype $(EXPERT_DTYPE)) \
   $(if $(DEVICE),--device $(DEVICE)) $(if $(NEW_TOKENS),--new-tokens $(NEW_TOKENS)) \
   $(if $(FLOOR_GIB),--floor-gib $(FLOOR_GIB)) $(if $(SEED),--seed $(SEED)) $(if $(KERNELS),--kernels $(KERNELS))
 

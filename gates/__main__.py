@@ -1,7 +1,7 @@
 """python -m gates {gate-a,gate-b,gate-memory,golden} [flags]
 
-Flags only: this CLI reads no environment variables (the Makefile maps PRESET, MODEL, DTYPE, DEVICE,
-NEW_TOKENS, FLOOR_GIB, SOURCE, GOLDEN to the flags of the same meaning). Defaults: see gates/run.py.
+Flags only: this CLI reads no environment variables (the Makefile maps PRESET, MODEL, DTYPE, EXPERT_DTYPE,
+DEVICE, NEW_TOKENS, FLOOR_GIB, SOURCE, GOLDEN to the flags of the same meaning). Defaults: see gates/run.py.
 Records go to records/<kind>.jsonl (records/store.py decides where; KIMI_RECORDS_DIR moves them).
 
 Exit codes: 0 the gate holds (or the memory gate SKIPs: no GPU); 1 it fails; 2 it could not judge
@@ -33,7 +33,10 @@ def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--preset", choices=sorted(PRESETS), help="synthetic-weights model (default: see gates/run.py)")
     common.add_argument("--model", metavar="DIR", help="original-format checkpoint directory (instead of --preset)")
-    common.add_argument("--dtype", choices=list(DTYPES), help="default fp32 on a CPU, bf16 on CUDA")
+    common.add_argument("--dtype", choices=list(DTYPES),
+                        help="default fp32 on a CPU; bf16 on CUDA, but fp32 with bf16 experts for gate-a (gates/run.py)")
+    common.add_argument("--expert-dtype", choices=list(DTYPES),
+                        help="hold the routed experts in this dtype (default: the model's; bf16 for gate-a on CUDA)")
     common.add_argument("--device", choices=DEVICES, help="default cuda when available")
     common.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, help="greedy tokens per prompt (16)")
     common.add_argument("--floor-gib", type=float, default=DEFAULT_FLOOR_GIB, help="free device memory to keep (15)")
@@ -68,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = resolve(preset=args.preset, model=args.model, dtype=args.dtype, device=args.device,
                        new_tokens=args.new_tokens, floor_gib=args.floor_gib, source=args.source,
-                       golden=args.golden, seed=args.seed, kernels=args.kernels)
+                       golden=args.golden, seed=args.seed, kernels=args.kernels, expert_dtype=args.expert_dtype,
+                       exact=args.command == "gate-a")
         limit_cpu_threads(opts)
         if args.command == "gate-a":
             from .gate_a import run_gate_a

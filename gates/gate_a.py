@@ -74,7 +74,7 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
                        records_root=records_root, log=log)
 
     result = GateResult("Gate A", "recompute", "incremental", prompts)
-    log(f"Gate A on {opts.label} ({subject.source}, weights {subject.weights}) {opts.dtype} {opts.device}, "
+    log(f"Gate A on {opts.label} ({subject.source}, weights {subject.weights}) {opts.precision} {opts.device}, "
         f"kernels {opts.kernels}, prompts {b.source}, near-tie eps {eps:g} nats")
     log(result.table())
     diffs = [d for p in prompts for d in p.max_abs_logit_diff]

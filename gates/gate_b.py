@@ -46,7 +46,7 @@ def run_gate_b(opts: Options, *, subject: Subject | None = None, reader=None, re
     result = GateResult("Gate B", ref_name, "incremental", prompts)
     md5 = ids_md5([x.tokens for x in gens])
     passed = md5 == g["md5"]
-    log(f"Gate B on {opts.label} ({subject.source}, weights {subject.weights}) {opts.dtype} {opts.device}, "
+    log(f"Gate B on {opts.label} ({subject.source}, weights {subject.weights}) {opts.precision} {opts.device}, "
         f"kernels {opts.kernels}, golden {path}, near-tie eps {eps:g} nats")
     log(result.table())
     log(f"md5 ours {md5} golden {g['md5']}: {'equal' if passed else 'DIFFERENT'}")

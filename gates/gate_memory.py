@@ -38,7 +38,8 @@ def run_memory_gate(opts: Options, *, reader: Callable[[], MemReading | None] | 
     """
     b = battery_for(opts)
     context = context_len(b, opts.new_tokens)
-    projection = project_peak(opts.config, opts.torch_dtype, 1, context, device=opts.device)
+    projection = project_peak(opts.config, opts.torch_dtype, 1, context, device=opts.device,
+                              expert_dtype=opts.torch_expert_dtype)
     if reader is None and opts.device == "cuda":
         reader = cuda_reader()
     results = {"projected_bytes": projection.total, "projection": projection.describe(),

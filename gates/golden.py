@@ -142,6 +142,9 @@ def _hf_model(opts: Options, subject: Subject | None):
     """HF's model for the golden (module docstring) and its weights id, checked against ours where we have it."""
     from model.hf import hf_from_checkpoint, hf_from_state_dict
 
+    if opts.expert_dtype is not None:
+        raise ValueError(f"--expert-dtype {opts.expert_dtype}: HF transformers holds the whole model in one dtype; "
+                         f"make the golden with --dtype alone")
     if opts.device == "cuda":
         hf = hf_from_state_dict(subject.cfg, subject.model.state_dict())
     elif opts.model:

@@ -86,6 +86,7 @@ class ParamCounts:
     total: int  # every parameter of the checkpoint
     active_per_token: int  # parameters one decoded token reads (SPEC §1: 3,106,972,544 for 48b-a3b)
     fp32: int  # parameters kept in fp32 whatever the model dtype (A_log, dt_bias, e_score_correction_bias)
+    routed_experts: int  # the routed experts' stacks (model.checkpoint.ROUTED_EXPERTS), which may be held apart
 
 
 def param_counts(cfg: KimiConfig) -> ParamCounts:
@@ -109,7 +110,7 @@ def param_counts(cfg: KimiConfig) -> ParamCounts:
     # A token reads one embedding row (negligible, not counted, as SPEC does) and only its top-k experts.
     active = total - cfg.vocab_size * D - n_moe * (E - cfg.num_experts_per_token) * expert
     fp32 = len(cfg.kda_layer_ids) * kda_fp32 + n_moe * E
-    return ParamCounts(total, active, fp32)
+    return ParamCounts(total, active, fp32, n_moe * E * expert)
 
 
 def _itemsize(dtype) -> int:
@@ -137,8 +138,9 @@ class Projection:
 
 
 def project_peak(cfg: KimiConfig, dtype, batch: int, context: int, prefill_chunk: int | None = None,
-                 *, device: str = "cuda") -> Projection:
-    """Peak memory of serving `batch` sequences of up to `context` tokens, prefilling `prefill_chunk` at a time.
+                 *, device: str = "cuda", expert_dtype=None) -> Projection:
+    """Peak memory of serving `batch` sequences of up to `context` tokens, prefilling `prefill_chunk` at a time,
+    the model in `dtype` with its routed experts in `expert_dtype` (default: `dtype`).
 
     An upper bound by design: a projection that is too low lets a run cross the floor. Attention is assumed
     fused (SDPA/flash: no [T, T] score matrix) and logits are counted for every position of a forward in
@@ -151,7 +153,8 @@ def project_peak(cfg: KimiConfig, dtype, batch: int, context: int, prefill_chunk
         raise ValueError(f"prefill_chunk must be a positive integer or None, got {prefill_chunk!r}")
     s, f32 = _itemsize(dtype), 4
     counts = param_counts(cfg)
-    weights = (counts.total - counts.fp32) * s + counts.fp32 * f32
+    e = s if expert_dtype is None else _itemsize(expert_dtype)
+    weights = (counts.total - counts.fp32 - counts.routed_experts) * s + counts.routed_experts * e + counts.fp32 * f32
 
     D, hd, H, d = cfg.hidden_size, cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim
     n_kda, n_mla = len(cfg.kda_layer_ids), len(cfg.mla_layer_ids)

@@ -2,7 +2,14 @@
 
 Defaults (the CLI reads no environment variables; the Makefile maps its variables to flags):
 - device: `cuda` when torch sees a GPU, else `cpu`;
-- dtype: `fp32` on a CPU, `bf16` on CUDA;
+- dtype: `fp32` on a CPU; on CUDA `bf16`, except for Gate A (`exact=True`): `fp32` with the routed experts held
+  in `bf16` (their checkpoint dtype: the same weights, 102 GB for the 48B model instead of 196, so it fits one
+  H200). Gate A asks whether the carried state gives the recompute path's tokens; in bf16 a 27-layer model of
+  random weights puts near-ties inside the rounding noise of two correct paths (measured: Gate A 68/128 in bf16 on
+  the H200, every divergence within the noise floor of the PyTorch-kernel control, record 380ad907), so bf16
+  cannot tell a bug from rounding there. In fp32 it can, and that is the question the gate exists to answer.
+  `--dtype bf16` still runs it in bf16 (the diagnosis then says near-tie or real);
+- expert dtype: the model dtype, except as above (`--expert-dtype`);
 - preset (without --model): `tiny` on a CPU; on CUDA `48b-a3b` when the GPU's free memory (NVML) holds its
   projected peak plus the floor, else `tiny` (the reason is printed).
 
@@ -21,6 +28,7 @@ from typing import Callable
 import torch
 
 from model.build import Loaded as Subject, is_small, load_model
+from model.checkpoint import check_expert_dtype
 from model.config import KimiConfig, get_config
 from records import store
 
@@ -57,10 +65,20 @@ class Options:
     golden: str | None
     seed: int
     kernels: str
+    expert_dtype: str | None = None  # a key of DTYPES: the routed experts' dtype when not the model's
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_expert_dtype(self) -> torch.dtype | None:
+        return None if self.expert_dtype is None else DTYPES[self.expert_dtype]
+
+    @property
+    def precision(self) -> str:
+        """'fp32', or 'fp32 (experts bf16)' when the experts are held apart."""
+        return self.dtype if self.expert_dtype is None else f"{self.dtype} (experts {self.expert_dtype})"
 
     @property
     def floor_bytes(self) -> int:
@@ -83,9 +101,9 @@ def context_len(b: Battery, new_tokens: int) -> int:
 
 
 def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT_NEW_TOKENS,
-            floor_gib=DEFAULT_FLOOR_GIB, source="hf", golden=None, seed=0, kernels="auto",
-            reader: Callable[[], MemReading | None] = read_device_memory, log=print) -> Options:
-    """Fill in the defaults (module docstring) and refuse impossible combinations."""
+            floor_gib=DEFAULT_FLOOR_GIB, source="hf", golden=None, seed=0, kernels="auto", expert_dtype=None,
+            exact: bool = False, reader: Callable[[], MemReading | None] = read_device_memory, log=print) -> Options:
+    """Fill in the defaults (module docstring; `exact`: Gate A's) and refuse impossible combinations."""
     if preset is not None and model is not None:
         raise ValueError("give --preset or --model, not both")
     if model is not None and not Path(model).is_dir():
@@ -95,9 +113,17 @@ def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT
         raise ValueError(f"--device {device!r}: expected one of {DEVICES}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device")
+    if dtype is None and device == "cuda" and exact:
+        dtype, expert_dtype = "fp32", expert_dtype or "bf16"
     dtype = dtype or ("bf16" if device == "cuda" else "fp32")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if expert_dtype == dtype:
+        expert_dtype = None  # one dtype for the whole model: nothing held apart
+    if expert_dtype is not None:
+        if expert_dtype not in DTYPES:
+            raise ValueError(f"--expert-dtype {expert_dtype!r}: expected one of {', '.join(DTYPES)}")
+        check_expert_dtype(DTYPES[expert_dtype])
     if not isinstance(new_tokens, int) or new_tokens < 1:
         raise ValueError(f"--new-tokens must be a positive integer, got {new_tokens!r}")
     if not floor_gib >= 0:
@@ -107,17 +133,20 @@ def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT
     if kernels not in KERNELS:
         raise ValueError(f"--kernels {kernels!r}: expected one of {KERNELS}")
     if model is None and preset is None:
-        preset = _default_preset(device, DTYPES[dtype], new_tokens, floor_gib, reader, log)
+        preset = _default_preset(device, DTYPES[dtype], expert_dtype and DTYPES[expert_dtype], new_tokens,
+                                 floor_gib, reader, log)
     if preset is not None:
         get_config(preset)  # unknown names fail here, with the list of presets
-    return Options(preset, model, dtype, device, new_tokens, float(floor_gib), source, golden, seed, kernels)
+    return Options(preset, model, dtype, device, new_tokens, float(floor_gib), source, golden, seed, kernels,
+                   expert_dtype)
 
 
-def _default_preset(device, dtype, new_tokens, floor_gib, reader, log) -> str:
+def _default_preset(device, dtype, expert_dtype, new_tokens, floor_gib, reader, log) -> str:
     if device == "cpu":
         return "tiny"
     big = get_config("48b-a3b")
-    need = project_peak(big, dtype, 1, context_len(battery(big), new_tokens)).total + floor_gib * GiB
+    need = project_peak(big, dtype, 1, context_len(battery(big), new_tokens),
+                        expert_dtype=expert_dtype).total + floor_gib * GiB
     r = reader()
     if r is not None and r.free >= need:
         return "48b-a3b"
@@ -139,7 +168,7 @@ def limit_cpu_threads(opts: Options) -> None:
 def load_subject(opts: Options) -> Subject:
     """The model under test, as `model.build.load_model` makes it for these options."""
     return load_model(opts.preset if opts.model is None else None, opts.model, device=opts.device,
-                      dtype=opts.torch_dtype, seed=opts.seed)
+                      dtype=opts.torch_dtype, seed=opts.seed, expert_dtype=opts.torch_expert_dtype)
 
 
 def battery_for(opts: Options) -> Battery:
@@ -184,7 +213,8 @@ def floor_guard(opts: Options, context: int, reader: Callable[[], MemReading | N
         yield Guard(None, None, None)
         return
     reader = reader or cuda_reader()
-    projection = project_peak(opts.config, opts.torch_dtype, 1, context, device=opts.device)
+    projection = project_peak(opts.config, opts.torch_dtype, 1, context, device=opts.device,
+                              expert_dtype=opts.torch_expert_dtype)
     reading = reader()
     if reading is None:
         raise GateRefused("no device memory reading (NVML): the memory floor cannot be checked")

@@ -54,8 +54,11 @@ class Loaded:
 
 
 def load_model(preset: str | None = None, checkpoint: str | None = None, *, device="cpu",
-               dtype=torch.float32, seed: int = 0) -> Loaded:
+               dtype=torch.float32, seed: int = 0, expert_dtype: torch.dtype | None = None) -> Loaded:
     """Exactly one of `preset` (synthetic weights) or `checkpoint` (original-format directory).
+
+    `expert_dtype` holds the routed experts apart from `dtype` (`model.checkpoint.ROUTED_EXPERTS`): bf16 under an
+    fp32 model computes the 48B model in fp32 on one GPU.
 
     Small presets are drawn on the CPU and moved, so they are the same weights on every device (CPU and CUDA
     generators differ) and the committed CPU goldens also judge GPU runs; larger ones are drawn on the device.
@@ -64,11 +67,12 @@ def load_model(preset: str | None = None, checkpoint: str | None = None, *, devi
         raise ValueError("give exactly one of preset= or checkpoint=")
     t0 = time.perf_counter()
     if checkpoint is not None:
-        cfg, state = load_checkpoint(checkpoint, device=device, dtype=dtype)
+        cfg, state = load_checkpoint(checkpoint, device=device, dtype=dtype, expert_dtype=expert_dtype)
         source = str(Path(checkpoint).resolve())
     else:
         cfg = get_config(preset)
-        state = synthetic_weights(cfg, seed=seed, device="cpu" if is_small(cfg) else device, dtype=dtype)
+        state = synthetic_weights(cfg, seed=seed, device="cpu" if is_small(cfg) else device, dtype=dtype,
+                                  expert_dtype=expert_dtype)
         state = {n: t.to(device) for n, t in state.items()}
         source = f"synthetic:{preset}:seed={seed}"
     model = from_state_dict(cfg, state)

@@ -142,11 +142,28 @@ def internal_names(cfg: KimiConfig) -> dict[str, tuple[tuple[int, ...], torch.dt
 FP32_HELD = ("mlp.gate.weight",)
 
 
-def storage_dtype(name: str, original_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+# The routed experts' stacks: 96% of the 48B model's weights. `expert_dtype` may hold them apart from the model
+# dtype, e.g. in bf16 (their checkpoint dtype, so no value changes) under an fp32 model: the full-size model then
+# computes in fp32 on one 141 GB GPU (102 GB of weights instead of 196), which is how Gate A runs it on CUDA.
+ROUTED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)  # the dtypes that hold bf16 checkpoint values exactly
+
+
+def check_expert_dtype(expert_dtype: torch.dtype | None) -> None:
+    if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"expert_dtype {expert_dtype} cannot hold the experts' bf16 checkpoint values exactly; "
+                         f"use one of {', '.join(str(d).removeprefix('torch.') for d in EXPERT_DTYPES)}")
+
+
+def storage_dtype(name: str, original_dtype: torch.dtype, dtype: torch.dtype,
+                  expert_dtype: torch.dtype | None = None) -> torch.dtype:
     """The dtype internal tensor `name` is held in when the model runs in `dtype`: fp32-kept tensors and the
-    router weight stay fp32 (the values are the same: bf16 widens exactly)."""
+    router weight stay fp32 (the values are the same: bf16 widens exactly); the routed experts' stacks in
+    `expert_dtype` when given (see ROUTED_EXPERTS)."""
     if original_dtype == torch.float32 or (name.endswith(FP32_HELD) and dtype.itemsize < 4):
         return torch.float32
+    if expert_dtype is not None and name.endswith(ROUTED_EXPERTS):
+        return expert_dtype
     return dtype
 
 
@@ -272,8 +289,8 @@ def _check_shards(path: Path, by_shard: dict[str, list[str]], slots: dict[str, S
                               + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else ""))
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
-                    dtype: torch.dtype = torch.bfloat16) -> tuple[KimiConfig, dict[str, torch.Tensor]]:
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                    expert_dtype: torch.dtype | None = None) -> tuple[KimiConfig, dict[str, torch.Tensor]]:
     """Load an original-format checkpoint directory -> (config, internal state dict on `device`).
 
     Reads only data: `config.json` (through `KimiConfig.from_json`; an `auto_map` entry is ignored and no .py
@@ -282,7 +299,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     name, shape and dtype is held against `original_names(cfg)`; after loading, every tensor must be finite.
     Anything wrong raises `CheckpointError` (a bad config.json: `ConfigError`) naming the file and tensors.
 
-    Floats are cast to `dtype`, except A_log, dt_bias and e_score_correction_bias, which stay fp32. Tensors
+    Floats are cast to `dtype`, except A_log, dt_bias and e_score_correction_bias, which stay fp32, and the
+    routed experts, which go to `expert_dtype` when given (`storage_dtype`). Tensors
     go to `device` one at a time (no host copy of the whole model); expert stacks and the q|k|v conv are
     preallocated on `device` and filled block by block.
     """
@@ -291,6 +309,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
         raise CheckpointError(f"{path} is not a checkpoint directory")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+    check_expert_dtype(expert_dtype)
     device = torch.device(device)
     cfg = _read_config(path)
     slots, internal_shapes = layout(cfg)
@@ -304,7 +323,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     _check_shards(path, by_shard, slots, indexed)
 
     stacked = {s.internal for s in slots.values() if s.index != ()}
-    out = {n: torch.empty(shape, dtype=storage_dtype(n, dt, dtype), device=device)
+    out = {n: torch.empty(shape, dtype=storage_dtype(n, dt, dtype, expert_dtype), device=device)
            for n, (shape, dt) in internal_shapes.items() if n in stacked}
     report = sum(torch.Size(s.shape).numel() * s.dtype.itemsize for s in slots.values()) >= 2**30
     loaded, finite, next_report, t0 = [], [], 0.1, time.perf_counter()
@@ -312,7 +331,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
         with _open(path / shard, str(device)) as f:
             for n in names:
                 s = slots[n]
-                t = f.get_tensor(n).to(storage_dtype(s.internal, s.dtype, dtype))
+                t = f.get_tensor(n).to(storage_dtype(s.internal, s.dtype, dtype, expert_dtype))
                 loaded.append(n)
                 finite.append(torch.isfinite(t).all())  # no host sync per tensor: all are read back at the end
                 if s.index == ():

@@ -182,11 +182,24 @@ def moe_router(x, weight, bias, k: int, scaling: float, renorm: bool):
     if triton and x.shape[0] <= SMALL_BATCH:
         from .triton.moe import fused_router
         return fused_router(x, weight, bias, k, scaling, renorm)
-    logits = F.linear(x.float(), weight.float())
+    logits = router_logits(x, weight)
     if triton:
         from .triton.moe import route
         return route(logits, bias, k, scaling, renorm)
     return moe_route_torch(logits, bias, k, scaling, renorm)
+
+
+def router_logits(x, weight):
+    """fp32 logits x @ weight^T for the routing of a batch of tokens x [N, D].
+
+    For bf16 x on CUDA, one bf16 GEMM with fp32 accumulation and an fp32 output, on tensor cores: the router
+    weight holds bf16 checkpoint values (`model.checkpoint.FP32_HELD` only widens them), so its cast is exact and
+    every product is exact in fp32, as in the fp32 GEMM; the sums differ only in order. The fp32 form ran as an
+    FFMA kernel with x widened first (5.4 ms and 1.5 ms of casts in the 156.6 ms 8k prefill of ddeba4c, record
+    bd2428e8). Anywhere else the fp32 GEMM."""
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        return torch.mm(x, weight.to(torch.bfloat16).t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
 
 
 def moe_route_torch(logits, bias, k, scaling, renorm):
@@ -215,13 +228,15 @@ def moe_experts(x, idx, w, gate_up, down, shared=None):
 
     Decode-sized batches stream only the chosen experts' rows, the shared expert's in the same two launches
     (Triton); prefill-sized ones sort the (token, expert) pairs by expert and run two grouped GEMMs; the
-    loop is the reference. All round once, from the fp32 sum with the shared expert included."""
+    loop is the reference. All round once, from the fp32 sum with the shared expert included.
+    The expert stacks may be held in a narrower dtype than x (`model.checkpoint.ROUTED_EXPERTS`): they are
+    widened to x's dtype where they are read."""
     if _triton(x) and x.shape[0] <= SMALL_BATCH:
         from .triton.moe import fused_moe_small_batch
         sw = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
         return fused_moe_small_batch(x, idx, w, gate_up, down, sw)
     s = None if shared is None else shared(x)
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+    if x.is_cuda and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
         return moe_experts_grouped(x, idx, w, gate_up, down, s)
     y = moe_experts_torch(x, idx, w, gate_up, down)
     return (y if s is None else y + s.float()).to(x.dtype)
@@ -260,12 +275,13 @@ def moe_combine_torch(out, slot, w, shared_out, dtype):
 
 
 def moe_experts_torch(x, idx, w, gate_up, down):
-    """Reference: loop over the experts that were chosen; accumulate in fp32 (returned in fp32)."""
+    """Reference: loop over the experts that were chosen; accumulate in fp32 (returned in fp32). Each expert's
+    weights are widened to x's dtype (a no-op unless the stacks are held narrower)."""
     y = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
     I = down.shape[2]
     for e in torch.unique(idx).tolist():
         tok, slot = torch.where(idx == e)
-        gu = F.linear(x[tok], gate_up[e])
+        gu = F.linear(x[tok], gate_up[e].to(x.dtype))
         h = F.silu(gu[:, :I]) * gu[:, I:]
-        y.index_add_(0, tok, F.linear(h, down[e]).float() * w[tok, slot, None])
+        y.index_add_(0, tok, F.linear(h, down[e].to(x.dtype)).float() * w[tok, slot, None])
     return y

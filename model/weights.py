@@ -52,7 +52,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .checkpoint import Slot, internal_names, layout, storage_dtype
+from .checkpoint import Slot, check_expert_dtype, internal_names, layout, storage_dtype
 from .config import KimiConfig
 
 LOGIT_STD = 3.5
@@ -114,14 +114,17 @@ def _draw(cfg: KimiConfig, name: str, slot: Slot, dst: torch.Tensor, seed: int) 
 
 
 def synthetic_weights(cfg: KimiConfig, seed: int = 0, device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                      dtype: torch.dtype = torch.float32,
+                      expert_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Deterministic random weights as an internal state dict; A_log, dt_bias, e_score_correction_bias in
-    fp32, everything else in `dtype`. See the module docstring for scales and determinism."""
+    fp32, the routed experts in `expert_dtype` when given, everything else in `dtype`. See the module docstring
+    for scales and determinism."""
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+    check_expert_dtype(expert_dtype)
     device = torch.device(device)
     slots, internal = layout(cfg)
-    out = {n: torch.empty(shape, dtype=storage_dtype(n, dt, dtype), device=device)
+    out = {n: torch.empty(shape, dtype=storage_dtype(n, dt, dtype, expert_dtype), device=device)
            for n, (shape, dt) in internal.items()}
     for name, s in slots.items():
         _draw(cfg, name, s, out[s.internal][s.index] if s.index else out[s.internal], seed)

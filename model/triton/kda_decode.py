@@ -33,7 +33,11 @@ from model.triton.norms import _rms_normalize
 # found 32 columns over 2 warps on the "adjacent" grid fastest at B=64: 87.7 us `a392ce5f` (strided: 92.8 us
 # `e353738b`), against 133.5 us `6f14a108` at the old 16 columns x 4 warps. At B=1 the default stays within 1.1 us
 # of the best (7.9 us `237cbf6f`, best 6.8 us `cea96aa3` at 16 columns x 1 warp); B=8 was not swept on that code.
-DECODE = dict(BV=32, num_warps=4, grid="strided")
+# The sweep of ddeba4c, with one program per head (BV = D = 128: no arrival counter, the norm in registers), made
+# that the default below LARGE_BATCH: B=1 6.8 us `d47cc52c` (tied for best; the old default 7.6 `139325bd`), B=8
+# 14.4 us `28ff9e21` (best; old 18.6 `479c4fd6`). At B=64 it reads 92.9 us `465c195f`, so the large-batch default
+# stays (86.4 us `1b454e24`).
+DECODE = dict(BV=128, num_warps=4, grid="strided")
 DECODE_LARGE = dict(BV=32, num_warps=2, grid="adjacent")
 LARGE_BATCH = 16
 GRIDS = ("strided", "adjacent")  # see the module docstring
