@@ -182,24 +182,11 @@ def moe_router(x, weight, bias, k: int, scaling: float, renorm: bool):
     if triton and x.shape[0] <= SMALL_BATCH:
         from .triton.moe import fused_router
         return fused_router(x, weight, bias, k, scaling, renorm)
-    logits = router_logits(x, weight)
+    logits = F.linear(x.float(), weight.float())
     if triton:
         from .triton.moe import route
         return route(logits, bias, k, scaling, renorm)
     return moe_route_torch(logits, bias, k, scaling, renorm)
-
-
-def router_logits(x, weight):
-    """fp32 logits x @ weight^T for the routing of a batch of tokens x [N, D].
-
-    For bf16 x on CUDA, one bf16 GEMM with fp32 accumulation and an fp32 output, on tensor cores: the router
-    weight holds bf16 checkpoint values (`model.checkpoint.FP32_HELD` only widens them), so its cast is exact and
-    every product is exact in fp32, as in the fp32 GEMM; the sums differ only in order. The fp32 form ran as an
-    FFMA kernel with x widened first (5.4 ms and 1.5 ms of casts in the 156.6 ms 8k prefill of ddeba4c, record
-    bd2428e8). Anywhere else the fp32 GEMM."""
-    if x.is_cuda and x.dtype == torch.bfloat16:
-        return torch.mm(x, weight.to(torch.bfloat16).t(), out_dtype=torch.float32)
-    return F.linear(x.float(), weight.float())
 
 
 def moe_route_torch(logits, bias, k, scaling, renorm):

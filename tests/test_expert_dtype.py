@@ -47,22 +47,29 @@ def test_bf16_experts_compute_exactly_what_fp32_experts_compute(pair):
         assert torch.equal(*(m.decode_step(nxt, c) for m, c in zip(pair, caches)))
 
 
-@pytest.mark.parametrize("N", [1, 3])
-def test_small_batch_moe_kernel_widens_bf16_experts_exactly(N):
-    """The Triton decode MoE (interpreter on a CPU) reads bf16 stacks for an fp32 x: the same bits as fp32 stacks
-    holding the same values."""
+@pytest.mark.parametrize("N, shared", [(1, True), (3, True), (2, False)])
+def test_small_batch_moe_kernel_widens_bf16_experts_exactly(N, shared):
+    """The Triton decode MoE (interpreter on a CPU) reads bf16 routed stacks for an fp32 x, beside an fp32 shared
+    expert, as the model holds them: the same bits as fp32 stacks holding the same values. (That the kernels
+    compile for sm_90 with this mix of pointer types is checked in tests/test_triton_kda.py.)"""
     g = torch.Generator().manual_seed(N)
     E, I, D, K = 8, 32, 64, 2
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(N, D, generator=g).to(dev)
     gate_up = (torch.randn(E, 2 * I, D, generator=g) * D ** -0.5).bfloat16().to(dev)
     down = (torch.randn(E, D, I, generator=g) * I ** -0.5).bfloat16().to(dev)
+    sw = tuple((torch.randn(*s, generator=g) * s[1] ** -0.5).bfloat16().float().to(dev)
+               for s in ((I, D), (I, D), (D, I))) if shared else None
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(dev)
     w = torch.rand(N, K, generator=g).to(dev)
-    narrow = fused_moe_small_batch(x, idx, w, gate_up, down)
-    wide = fused_moe_small_batch(x, idx, w, gate_up.float(), down.float())
+    narrow = fused_moe_small_batch(x, idx, w, gate_up, down, sw)
+    wide = fused_moe_small_batch(x, idx, w, gate_up.float(), down.float(), sw)
     assert narrow.dtype == torch.float32 and torch.isfinite(narrow).all()
     assert torch.equal(narrow, wide)
+    with ops.use("torch"):  # and the reference loop agrees to fp32 summation order
+        ref = ops.moe_experts(x, idx, w, gate_up, down, None)
+    if not shared:
+        assert (narrow - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 def test_checkpoint_loads_experts_in_their_own_dtype(tmp_path):

@@ -608,6 +608,18 @@ def sm90_spills() -> dict:
     out["moe_down"] = stack_bytes(moe._moe_expert_down_kernel, dn_sig,
                                   dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"]),
                                   num_warps=dn["num_warps"])
+    # Gate A's precision on CUDA: an fp32 model whose routed experts stay bf16 (the shared expert is fp32)
+    mixed = {**dict.fromkeys(["x_ptr", "sg_ptr", "su_ptr", "act_ptr", "sd_ptr", "y_ptr", "wt_ptr"], f32), "w_ptr": bf}
+    out["moe_gate_up_fp32_bf16"] = stack_bytes(
+        moe._moe_expert_gate_up_kernel, {**gu_sig, **{n: mixed[n] for n in gu_sig if n in mixed}},
+        dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_I=gu["BLOCK_I"], BLOCK_D=gu["BLOCK_D"]), num_warps=gu["num_warps"])
+    out["moe_down_fp32_bf16"] = stack_bytes(
+        moe._moe_expert_down_kernel, {**dn_sig, **{n: mixed[n] for n in dn_sig if n in mixed}},
+        dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"]), num_warps=dn["num_warps"])
+    out["decode_fp32"] = stack_bytes(kd._kda_decode_kernel, {**{n: (f32 if t == bf else t) for n, t in decode_sig.items()},
+                                                             "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
+                                     dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False),
+                                     num_warps=kd.DECODE["num_warps"])
     out["moe_route"] = stack_bytes(moe._moe_route_kernel, {"logits_ptr": f32, "bias_ptr": f32, "idx_ptr": "*i64",
                                                           "w_ptr": f32, "scaling": "fp32"},
                                    dict(E=256, K=K, BLOCK_E=256, RENORM=True))
@@ -716,6 +728,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["decode"] == 0 and spills["norm"] == 0, spills
     assert spills["decode_adjacent"] == 0 and spills["decode_whole"] == 0, spills
     assert spills["moe_gate_up"] == 0 and spills["moe_down"] == 0 and spills["moe_route"] == 0, spills
+    assert "moe_gate_up_fp32_bf16" in spills and "moe_down_fp32_bf16" in spills and "decode_fp32" in spills, spills
     assert spills["mla_split"] == 0 and spills["mla_combine"] == 0 and spills["mla_absorb"] == 0, spills
     assert spills["mla_split_fp32"] == 0 and spills["mla_split_min"] == 0, spills
     assert spills["mla_split_short"] == spills["mla_split_short_step64"] == spills["mla_split_short_long"] == 0, spills

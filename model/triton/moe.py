@@ -47,9 +47,28 @@ ROUTER = dict(BLOCK_E=1, num_warps=4)
 
 
 @triton.jit
+def _gate_up_rows(x_row, w_gate, w_up, mask_i, D: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(w1 x, w3 x) in fp32 for BLOCK_I rows (w_gate, w_up: [BLOCK_I, 1] row pointers, any float dtype)."""
+    acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        xv = tl.load(x_row + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        m = mask_i[:, None] & mask_d[None, :]
+        wg = tl.load(w_gate + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+        wu = tl.load(w_up + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+        acc_g += tl.sum(wg * xv[None, :], axis=1)
+        acc_u += tl.sum(wu * xv[None, :], axis=1)
+    return acc_g, acc_u
+
+
+@triton.jit
 def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D: tl.constexpr, I: tl.constexpr,
                     K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Slot k < K of token n reads expert idx[n, k]; slot K (when SLOTS = K + 1) the shared expert."""
+    """Slot k < K of token n reads expert idx[n, k]; slot K (when SLOTS = K + 1) the shared expert. The routed
+    stack may be held in another dtype than the shared expert (model.checkpoint.ROUTED_EXPERTS): each branch
+    reads through its own pointers, and only their fp32 sums meet."""
     pid = tl.program_id(0)
     pid_i = tl.program_id(1)
     n = pid // SLOTS
@@ -59,21 +78,10 @@ def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D
     if k < K:
         e = tl.load(idx_ptr + n * K + k).to(tl.int64)
         w_gate = w_ptr + e * (2 * I * D) + offs_i[:, None] * D
-        w_up = w_gate + I * D
+        acc_g, acc_u = _gate_up_rows(x_ptr + n * D, w_gate, w_gate + I * D, mask_i, D, BLOCK_I, BLOCK_D)
     else:
-        w_gate = sg_ptr + offs_i[:, None] * D
-        w_up = su_ptr + offs_i[:, None] * D
-    acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        xv = tl.load(x_ptr + n * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        m = mask_i[:, None] & mask_d[None, :]
-        wg = tl.load(w_gate + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
-        wu = tl.load(w_up + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
-        acc_g += tl.sum(wg * xv[None, :], axis=1)
-        acc_u += tl.sum(wu * xv[None, :], axis=1)
+        acc_g, acc_u = _gate_up_rows(x_ptr + n * D, sg_ptr + offs_i[:, None] * D, su_ptr + offs_i[:, None] * D,
+                                     mask_i, D, BLOCK_I, BLOCK_D)
     # Round where the prefill path (F.linear, F.silu, mul on model-dtype tensors) rounds, so decode and
     # prefill differ only by fp32 summation order, not by where bf16 rounding happens.
     DT = act_ptr.dtype.element_ty
