@@ -13,6 +13,7 @@ import model.triton as mt  # noqa: E402
 from model import ops  # noqa: E402
 from model.layers import MLP  # noqa: E402
 from model.triton.moe import fused_moe_small_batch, fused_router, route  # noqa: E402
+from model.triton.moe_combine import _moe_combine_kernel  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -157,8 +158,13 @@ def test_experts_reject_wrong_shapes():
                               torch.randn(4, 16, 4))
 
 
+# The grouped form at small fp32 shapes runs on the CPU (torch's grouped_mm); its Triton combine step can take CPU
+# tensors only through the interpreter, so on a GPU box (compiled kernels) only the torch combine is drawn here.
+_INTERPRETED = type(_moe_combine_kernel).__name__ == "InterpretedFunction"
+
+
 @given(N=st.integers(1, 40), E=st.sampled_from([4, 9]), K=st.sampled_from([1, 2, 3]), seed=st.integers(0, 999),
-       combine=st.sampled_from(["torch", "triton"]))
+       combine=st.sampled_from(["torch", "triton"] if _INTERPRETED else ["torch"]))
 def test_grouped_gemm_form_matches_loop(N, E, K, seed, combine):
     g = torch.Generator().manual_seed(seed)
     D, I = 32, 16
