@@ -223,26 +223,43 @@ def moe_experts(x, idx, w, gate_up, down, shared=None):
         sw = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
         return fused_moe_small_batch(x, idx, w, gate_up, down, sw)
     s = None if shared is None else shared(x)
-    if x.is_cuda and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+    if x.is_cuda and hasattr(F, "grouped_mm"):
         return moe_experts_grouped(x, idx, w, gate_up, down, s)
     y = moe_experts_torch(x, idx, w, gate_up, down)
     return (y if s is None else y + s.float()).to(x.dtype)
 
 
 def moe_experts_grouped(x, idx, w, gate_up, down, shared_out=None):
-    """Grouped-GEMM form: one GEMM launch per projection for all experts (prefill), then `moe_combine`;
-    returns x's dtype."""
+    """Grouped-GEMM form: the (token, expert) pairs sorted by expert, one grouped GEMM per projection for all
+    experts (prefill), then `moe_combine`; returns x's dtype."""
     N, K = idx.shape
     E, I = gate_up.shape[0], down.shape[2]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)              # (token, slot) pairs sorted by expert
     offs = torch.cumsum(torch.bincount(flat, minlength=E), 0, dtype=torch.int32)
-    gu = F.grouped_mm(x[order // K], gate_up.transpose(1, 2), offs=offs)
+    gu = grouped_mm(x[order // K], gate_up.transpose(1, 2), offs)
     h = silu_mul(gu[:, :I], gu[:, I:])
-    out = F.grouped_mm(h, down.transpose(1, 2), offs=offs)
+    out = grouped_mm(h, down.transpose(1, 2), offs)
     slot = torch.empty_like(order)
     slot[order] = torch.arange(N * K, device=x.device)     # the row of `out` that holds pair (n, k)
     return moe_combine(out, slot.view(N, K), w, shared_out, x.dtype)
+
+
+def grouped_mm(a, b, offs):
+    """Rows offs[e-1]:offs[e] of a [M, K] times b[e] [K, N] for each group e -> [M, N] in a's dtype.
+
+    torch's grouped GEMM where it runs (bf16 on CUDA; any one dtype on a CPU). Otherwise, e.g. fp32 rows against
+    expert stacks held in bf16 (Gate A's precision on CUDA), one GEMM per non-empty group with its b widened to
+    a's dtype: a host sync for the offsets and ~E launches, where the reference loop syncs once per expert."""
+    if a.dtype == b.dtype and (not a.is_cuda or a.dtype == torch.bfloat16):
+        return F.grouped_mm(a, b, offs=offs)
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(a[start:end], b[e].to(a.dtype), out=out[start:end])
+        start = end
+    return out
 
 
 def moe_combine(out, slot, w, shared_out, dtype):

@@ -7,6 +7,7 @@ E=256, top-8 + shared expert, bf16) and the bf16 rounding points."""
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from hypothesis import given, strategies as st  # noqa: E402
 
 import model.triton as mt  # noqa: E402
@@ -164,18 +165,36 @@ _INTERPRETED = type(_moe_combine_kernel).__name__ == "InterpretedFunction"
 
 
 @given(N=st.integers(1, 40), E=st.sampled_from([4, 9]), K=st.sampled_from([1, 2, 3]), seed=st.integers(0, 999),
-       combine=st.sampled_from(["torch", "triton"] if _INTERPRETED else ["torch"]))
-def test_grouped_gemm_form_matches_loop(N, E, K, seed, combine):
+       combine=st.sampled_from(["torch", "triton"] if _INTERPRETED else ["torch"]), held=st.sampled_from([None, "bf16"]))
+def test_grouped_gemm_form_matches_loop(N, E, K, seed, combine, held):
+    """fp32 tokens against fp32 stacks (torch's grouped GEMM) or against stacks held in bf16 (`ops.grouped_mm`'s
+    per-group GEMMs, each stack widened), both held against the reference loop on the same stacks."""
     g = torch.Generator().manual_seed(seed)
     D, I = 32, 16
     x = torch.randn(N, D, generator=g)
     gate_up = torch.randn(E, 2 * I, D, generator=g) / D ** 0.5
     down = torch.randn(E, D, I, generator=g) / I ** 0.5
+    if held:
+        gate_up, down = gate_up.bfloat16(), down.bfloat16()
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
     w = torch.rand(N, K, generator=g)
     with ops.use(combine):  # the combine step's implementation (grouped_mm itself is torch's)
         y = ops.moe_experts_grouped(x, idx, w, gate_up, down)
+    assert y.dtype == torch.float32
     assert rel_err(y, ops.moe_experts_torch(x, idx, w, gate_up, down)) < 1e-5
+
+
+def test_grouped_mm_per_group_form_equals_torchs():
+    """The per-group fallback of `ops.grouped_mm` (bf16 stacks under fp32 rows) against torch's grouped GEMM on the
+    widened stacks, with empty groups at the ends and in the middle."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(10, 24, generator=g)
+    b = (torch.randn(5, 24, 8, generator=g)).bfloat16()
+    offs = torch.tensor([0, 3, 3, 10, 10], dtype=torch.int32)
+    got = ops.grouped_mm(a, b, offs)
+    want = F.grouped_mm(a, b.float(), offs=offs)
+    assert got.dtype == torch.float32 and rel_err(got, want) < 1e-6
+    assert rel_err(got[3:], a[3:] @ b[3].float()) < 1e-6  # group 3 holds rows 3:10 (groups 0, 2 and 4 are empty)
 
 
 # ---- real shapes on the GPU ---------------------------------------------------------------------
