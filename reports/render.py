@@ -343,6 +343,13 @@ def noise_cell(r: dict, prompt) -> str:
             f"{fmt(n.get('test_noise'))} vs control {fmt(n.get('control_noise'))})")
 
 
+def gate_conditions(r: dict) -> str:
+    """'48b-a3b float32, experts bf16': the model and the precision it ran at (gates/run.py: Gate A on CUDA runs
+    in fp32 with the routed experts held in bf16)."""
+    experts = get(r, "params.expert_dtype")
+    return f"{r['preset']} {r['dtype']}" + (f", experts {experts}" if experts else "")
+
+
 def gates_section(gates: list[dict], out: Path) -> Section:
     s = Section("Gates")
     gates, s.blocks = usable(sorted(gates, key=lambda r: r["time"]), ("results.score", "results.total"), "gate")
@@ -367,8 +374,9 @@ def gates_section(gates: list[dict], out: Path) -> Section:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     s.blocks.append(Figure(save(fig, out, "gates"), "gate history", cite(gates)))
-    s.blocks.append(Table(["record", "time", "gate", "machine", "commit", "score", "passed", "verdict"],
-                          [[short_id(r), r["time"], r["kind"], machine(r), commit(r),
+    s.blocks.append(Table(["record", "time", "gate", "model, precision", "machine", "commit", "score", "passed",
+                           "verdict"],
+                          [[short_id(r), r["time"], r["kind"], gate_conditions(r), machine(r), commit(r),
                             f"{get(r, 'results.score')}/{get(r, 'results.total')}",
                             "PASS" if get(r, "results.passed") else "FAIL", r["verdict"]] for r in gates], cite(gates)))
     diag = [(r, d) for r in gates for d in get(r, "results.diagnoses", [])]

@@ -289,3 +289,12 @@ def test_noise_floor_cell_reads_gate_a_control():
     assert noise_cell(r, 0).startswith("within (recompute[torch kernels] diverged at step 2")
     assert noise_cell(r, 1).startswith("BEYOND (recompute[torch kernels] never diverged")
     assert noise_cell(r, 2) == noise_cell(r, 7) == "—"
+
+
+def test_gate_rows_say_the_precision_including_held_apart_experts():
+    mixed = make_record("gate_a", preset="48b-a3b", dtype="float32", device="cuda", weights="w",
+                        params={"expert_dtype": "bf16"}, results={"score": 128, "total": 128, "passed": True})
+    plain = make_record("gate_b", preset="tiny", dtype="float32", device="cpu", weights="w",
+                        params={"expert_dtype": None}, results={"score": 1, "total": 128, "passed": False})
+    assert render.gate_conditions(mixed) == "48b-a3b float32, experts bf16"
+    assert render.gate_conditions(plain) == "tiny float32"
