@@ -5,12 +5,14 @@ DEVICE, NEW_TOKENS, FLOOR_GIB, SOURCE, GOLDEN to the flags of the same meaning).
 Records go to records/<kind>.jsonl (records/store.py decides where; KIMI_RECORDS_DIR moves them).
 
 Exit codes: 0 the gate holds (or the memory gate SKIPs: no GPU); 1 it fails; 2 it could not judge
-(refused by the memory floor, a golden for other weights/prompts, bad arguments or input).
+(refused by the memory floor, a golden for other weights/prompts, bad arguments or input, or a crash inside
+the gate, which is still recorded, INVALID, with the exception).
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from model import ops
 from model.config import PRESETS
@@ -19,7 +21,7 @@ from .golden import GOLDEN_DIR, golden_name, make_golden, write_golden
 from .memory import MemoryFloorError
 from .prompts import DEFAULT_NEW_TOKENS
 from .run import (DEFAULT_FLOOR_GIB, DEVICES, DTYPES, EXIT_PASS, EXIT_REFUSED, KERNELS, SOURCES, GateRefused,
-                  Options, battery_for, context_len, floor_guard, limit_cpu_threads, load_subject, resolve)
+                  Options, battery_for, context_len, floor_guard, limit_cpu_threads, load_subject, refused, resolve)
 
 COMMANDS = {
     "gate-a": "Gate A: incremental decode must give exactly the recompute path's tokens",
@@ -66,8 +68,15 @@ def golden_command(opts: Options) -> int:
     return EXIT_PASS
 
 
+# The record kind each gate appends; a gate that crashes (a kernel that fails to compile, CUDA out of memory)
+# still appends one, INVALID, so that a nightly run's records say what happened instead of going silent.
+RECORD_KINDS = {"gate-a": "gate_a", "gate-b": "gate_b", "gate-memory": "memory"}
+CRASH_MESSAGE_CHARS = 600
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    opts = None
     try:
         opts = resolve(preset=args.preset, model=args.model, dtype=args.dtype, device=args.device,
                        new_tokens=args.new_tokens, floor_gib=args.floor_gib, source=args.source,
@@ -86,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         return golden_command(opts)
     except (ValueError, GateRefused, MemoryFloorError) as e:  # config, checkpoint, tokenizer, golden errors are ValueErrors
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except Exception as e:
+        if opts is None or args.command not in RECORD_KINDS:
+            raise
+        traceback.print_exc()
+        why = f"crashed: {type(e).__name__}: {e}"
+        refused(RECORD_KINDS[args.command], opts, why[:CRASH_MESSAGE_CHARS])
         return EXIT_REFUSED
 
 

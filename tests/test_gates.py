@@ -296,6 +296,22 @@ def test_cli_bad_input_exits_2(tmp_path, monkeypatch, capsys):
     assert e.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command, kind, where", [("gate-a", "gate_a", "gates.gate_a.load_subject"),
+                                                   ("gate-b", "gate_b", "gates.gate_b.load_subject")])
+def test_a_gate_that_crashes_still_leaves_a_record(tmp_path, monkeypatch, capsys, command, kind, where):
+    """A crash inside a gate (here the model load) exits 2 with the traceback and appends an INVALID record naming
+    the exception, so that a nightly run's records say what happened."""
+    def boom(opts):
+        raise RuntimeError("kernel failed to compile")
+    monkeypatch.setattr(where, boom)
+    monkeypatch.setenv("KIMI_RECORDS_DIR", str(tmp_path))
+    assert main([command, "--preset", "tiny", "--device", "cpu"]) == EXIT_REFUSED
+    assert "RuntimeError: kernel failed to compile" in capsys.readouterr().err  # the traceback
+    rec = only_record(tmp_path, kind)
+    assert rec["verdict"] == "INVALID" and rec["results"]["passed"] is False
+    assert rec["reasons"] == ["refused: crashed: RuntimeError: kernel failed to compile"]
+
+
 def test_gates_reject_empty_and_out_of_vocab_prompts(subject):
     from model.generate import generate_incremental, generate_recompute
     for gen in (generate_recompute, generate_incremental):
