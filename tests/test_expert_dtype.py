@@ -124,3 +124,19 @@ def test_hf_golden_refuses_held_apart_experts(tmp_path):
             "--golden", str(tmp_path / "g.json"), records=tmp_path)
     assert r.returncode == 2 and "HF transformers holds the whole model in one dtype" in r.stderr
     assert not (tmp_path / "g.json").exists()
+
+
+@pytest.mark.parametrize("exact, free_gib, preset", [(True, 120, "48b-a3b"), (True, 105, "tiny"),
+                                                     (False, 110, "48b-a3b"), (False, 105, "tiny")])
+def test_default_preset_on_cuda_follows_the_projection_at_the_gates_precision(monkeypatch, exact, free_gib, preset):
+    """Without --preset a GPU gets 48b-a3b only when NVML's free memory holds the projected peak at the gate's
+    precision plus the floor: ~97 GiB + 15 for Gate A (fp32, experts bf16), ~93 GiB + 15 for the bf16 gates."""
+    from gates.memory import MemReading
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    said = []
+    opts = resolve(device="cuda", exact=exact, log=said.append,
+                   reader=lambda: MemReading(total=140 * GiB, free=free_gib * GiB, source="simulated"))
+    assert opts.preset == preset
+    assert (preset == "tiny") == any("default preset: tiny" in s for s in said)
+    none = resolve(device="cuda", exact=exact, log=said.append, reader=lambda: None)
+    assert none.preset == "tiny" and "no NVML reading" in said[-1]
