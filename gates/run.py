@@ -28,7 +28,6 @@ from typing import Callable
 import torch
 
 from model.build import Loaded as Subject, is_small, load_model
-from model.checkpoint import check_expert_dtype
 from model.config import KimiConfig, get_config
 from records import store
 
@@ -120,10 +119,8 @@ def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT
         raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if expert_dtype == dtype:
         expert_dtype = None  # one dtype for the whole model: nothing held apart
-    if expert_dtype is not None:
-        if expert_dtype not in DTYPES:
-            raise ValueError(f"--expert-dtype {expert_dtype!r}: expected one of {', '.join(DTYPES)}")
-        check_expert_dtype(DTYPES[expert_dtype])
+    if expert_dtype is not None and expert_dtype not in DTYPES:  # every DTYPES key holds bf16 experts exactly
+        raise ValueError(f"--expert-dtype {expert_dtype!r}: expected one of {', '.join(DTYPES)}")
     if not isinstance(new_tokens, int) or new_tokens < 1:
         raise ValueError(f"--new-tokens must be a positive integer, got {new_tokens!r}")
     if not floor_gib >= 0:

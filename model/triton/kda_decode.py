@@ -11,8 +11,8 @@ A third grid, one program per (sequence, head) walking its column blocks with th
 was measured slower at every batch and removed (graph-timed, run of 5ac699e: B=64 106.7 us at best `18270871`
 against 87.7 us `a392ce5f`; B=1 11.2 us `3ee662cc` against 6.8 us `cea96aa3`).
 With BV = D a head is one program in either grid: no counter, o normalised in registers and stored once, the taps
-shifted by the same program. At D = 128 that is 32 programs at batch 1, each moving the head's 64 KB; compiled
-for sm_90 without spills (tests/test_triton_kda.py) and in `bench_kernels`' DECODE_SWEEP, not yet timed.
+shifted by the same program. At D = 128 that is 32 programs at batch 1, each moving the head's 64 KB; the default
+below LARGE_BATCH since the sweep of ddeba4c (see DECODE below).
 """
 from __future__ import annotations
 
