@@ -87,6 +87,7 @@ class ParamCounts:
     active_per_token: int  # parameters one decoded token reads (SPEC §1: 3,106,972,544 for 48b-a3b)
     fp32: int  # parameters kept in fp32 whatever the model dtype (A_log, dt_bias, e_score_correction_bias)
     routed_experts: int  # the routed experts' stacks (model.checkpoint.ROUTED_EXPERTS), which may be held apart
+    router: int  # the routers' weights: held in fp32 under a narrower model (model.checkpoint.FP32_HELD)
 
 
 def param_counts(cfg: KimiConfig) -> ParamCounts:
@@ -110,7 +111,7 @@ def param_counts(cfg: KimiConfig) -> ParamCounts:
     # A token reads one embedding row (negligible, not counted, as SPEC does) and only its top-k experts.
     active = total - cfg.vocab_size * D - n_moe * (E - cfg.num_experts_per_token) * expert
     fp32 = len(cfg.kda_layer_ids) * kda_fp32 + n_moe * E
-    return ParamCounts(total, active, fp32, n_moe * E * expert)
+    return ParamCounts(total, active, fp32, n_moe * E * expert, n_moe * E * D)
 
 
 def _itemsize(dtype) -> int:
@@ -154,7 +155,10 @@ def project_peak(cfg: KimiConfig, dtype, batch: int, context: int, prefill_chunk
     s, f32 = _itemsize(dtype), 4
     counts = param_counts(cfg)
     e = s if expert_dtype is None else _itemsize(expert_dtype)
-    weights = (counts.total - counts.fp32 - counts.routed_experts) * s + counts.routed_experts * e + counts.fp32 * f32
+    narrow = counts.total - counts.fp32 - counts.routed_experts - counts.router
+    # the router in fp32 (or wider), plus the bf16 copy `model.layers.Router.pack_` keeps of checkpoint values
+    router = counts.router * (max(s, f32) + 2)
+    weights = narrow * s + counts.routed_experts * e + counts.fp32 * f32 + router
 
     D, hd, H, d = cfg.hidden_size, cfg.kda_dim, cfg.kda_num_heads, cfg.kda_head_dim
     n_kda, n_mla = len(cfg.kda_layer_ids), len(cfg.mla_layer_ids)

@@ -9,7 +9,7 @@ import torch
 
 from .checkpoint import internal_names, load_checkpoint
 from .config import KimiConfig, get_config
-from .layers import KimiDeltaAttention, MultiLatentAttention
+from .layers import KimiDeltaAttention, MultiLatentAttention, Router
 from .model import KimiLinear
 from .weights import synthetic_weights, weights_id
 
@@ -34,7 +34,7 @@ def from_state_dict(cfg: KimiConfig, state: dict[str, torch.Tensor]) -> KimiLine
                          f"unexpected {extra[:10]} ({len(extra)})")
     model.load_state_dict(state, assign=True, strict=True)
     for m in model.modules():
-        if isinstance(m, (KimiDeltaAttention, MultiLatentAttention)):
+        if isinstance(m, (KimiDeltaAttention, MultiLatentAttention, Router)):
             m.pack_()
     return model.eval().requires_grad_(False)
 

@@ -172,17 +172,21 @@ def mla_absorb(x, w):
 SMALL_BATCH = 16  # tokens up to which the MoE streams only the chosen experts' rows (decode), in Triton
 
 
-def moe_router(x, weight, bias, k: int, scaling: float, renorm: bool):
+def moe_router(x, weight, bias, k: int, scaling: float, renorm: bool, weight_bf16=None):
     """Tokens x [N, D] -> (expert ids [N, k], weights [N, k] fp32). Logits x.float() @ weight.float()^T in fp32;
     top-k of sigmoid + bias; weights the unbiased sigmoid scores of the chosen, renormalised, times scaling.
 
     Decode-sized batches run the GEMV and the routing in one launch (Triton); larger ones a GEMM then the
-    routing kernel."""
+    routing kernel. `weight_bf16`, when given, must hold weight's values exactly (`layers.Router.pack_`): bf16
+    tokens on CUDA then get the same products from a bf16 GEMM with fp32 accumulation and output."""
     triton = _triton(x) and not (k & (k - 1))  # the Triton top-k takes a power-of-two k
     if triton and x.shape[0] <= SMALL_BATCH:
         from .triton.moe import fused_router
         return fused_router(x, weight, bias, k, scaling, renorm)
-    logits = F.linear(x.float(), weight.float())
+    if weight_bf16 is not None and x.is_cuda and x.dtype == torch.bfloat16:
+        logits = torch.mm(x, weight_bf16.t(), out_dtype=torch.float32)
+    else:
+        logits = F.linear(x.float(), weight.float())
     if triton:
         from .triton.moe import route
         return route(logits, bias, k, scaling, renorm)
@@ -234,15 +238,27 @@ def moe_experts_grouped(x, idx, w, gate_up, down, shared_out=None):
     experts (prefill), then `moe_combine`; returns x's dtype."""
     N, K = idx.shape
     E, I = gate_up.shape[0], down.shape[2]
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)              # (token, slot) pairs sorted by expert
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0, dtype=torch.int32)
+    order, offs = sort_by_expert(idx, E)
     gu = grouped_mm(x[order // K], gate_up.transpose(1, 2), offs)
     h = silu_mul(gu[:, :I], gu[:, I:])
     out = grouped_mm(h, down.transpose(1, 2), offs)
     slot = torch.empty_like(order)
     slot[order] = torch.arange(N * K, device=x.device)     # the row of `out` that holds pair (n, k)
     return moe_combine(out, slot.view(N, K), w, shared_out, x.dtype)
+
+
+def sort_by_expert(idx, E: int):
+    """(order, offs) for the (token, slot) pairs of idx [N, K]: order [N*K] (int64) lists the flat pairs sorted
+    by expert, stably; offs [E] (int32) is the end of each expert's rows in that order.
+
+    No host sync: the offsets are a device-side binary search in the sorted ids. (torch.bincount syncs twice for
+    its min and max, which starved the GPU at every MoE layer: about 0.4 ms a layer of idle in the 8k prefill
+    trace of ddeba4c, decomposition bd2428e8.) The ids sort as int16 where they fit: a radix sort over 16 bits
+    makes two passes, over int64 eight."""
+    keys = idx.reshape(-1).to(torch.int16 if E <= torch.iinfo(torch.int16).max else torch.int32)
+    ids, order = torch.sort(keys, stable=True)
+    bounds = torch.arange(1, E + 1, device=idx.device, dtype=keys.dtype)
+    return order, torch.searchsorted(ids, bounds, out_int32=True)
 
 
 def grouped_mm(a, b, offs):

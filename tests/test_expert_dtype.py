@@ -93,8 +93,9 @@ def test_projection_counts_the_experts_at_their_own_width():
     c = param_counts(BIG)
     assert c.routed_experts == 26 * 256 * 3 * 1024 * 2304  # SPEC §1: 26 MoE layers of 256 experts
     p = project_peak(BIG, torch.float32, 1, 200, expert_dtype=torch.bfloat16)
-    assert p.weights_bytes == 4 * (c.total - c.routed_experts) + 2 * c.routed_experts
-    assert p.weights_bytes == project_peak(BIG, torch.bfloat16, 1, 200).weights_bytes + 2 * (c.total - c.fp32 - c.routed_experts)
+    assert p.weights_bytes == 4 * (c.total - c.routed_experts) + 2 * c.routed_experts + 2 * c.router  # bf16 router copies
+    assert p.weights_bytes == project_peak(BIG, torch.bfloat16, 1, 200).weights_bytes \
+        + 2 * (c.total - c.fp32 - c.routed_experts - c.router)
     # fp32 compute fits one H200 (~139.8 GiB) with the default 15 GiB floor; the all-fp32 model does not
     assert p.total + 15 * GiB < 139 * GiB < project_peak(BIG, torch.float32, 1, 200).total
 

@@ -43,7 +43,27 @@ def test_projection_48b_bf16():
     # 2048 positions of fp32 + bf16 logits dominate the transients; the CUDA context allowance is on top
     assert 2048 * 163840 * 6 + CUDA_CONTEXT_BYTES < p.workspace_bytes < 2.5 * GiB + CUDA_CONTEXT_BYTES
     assert project_peak(BIG, "bf16", 1, 2048, device="cpu").workspace_bytes == p.workspace_bytes - CUDA_CONTEXT_BYTES
-    assert project_peak(BIG, "float32", 1, 2048).weights_bytes == 4 * 49_122_681_728
+    # fp32: every parameter in 4 bytes, plus the routers' bf16 copies (`Router.pack_`)
+    assert project_peak(BIG, "float32", 1, 2048).weights_bytes == 4 * 49_122_681_728 + 2 * 26 * 256 * 2304
+
+
+def _resident_bytes(model) -> int:
+    """Bytes of the distinct storages behind a module's parameters and buffers (packed views counted once)."""
+    storages = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("dtype,expert_dtype", [(torch.bfloat16, None), (torch.float32, None),
+                                                (torch.float32, torch.bfloat16)])
+def test_projected_weights_are_the_built_models_bytes(dtype, expert_dtype):
+    """The weight term of the projection is what a built model holds: packed projections, the fp32-held routers
+    and their bf16 copies, the experts at their own width."""
+    from model.build import load_model
+    model = load_model("tiny", dtype=dtype, expert_dtype=expert_dtype).model
+    assert all(m.weight_bf16 is not None for m in model.modules() if type(m).__name__ == "Router")
+    assert project_peak(TINY, dtype, 1, 16, expert_dtype=expert_dtype).weights_bytes == _resident_bytes(model)
 
 
 def test_projection_scales_with_batch_context_and_chunk():
