@@ -203,6 +203,7 @@ def make_golden(opts: Options, subject: Subject | None = None) -> dict:
         "md5": ids_md5([g.tokens for g in gens]),
         "provenance": {
             "implementation": implementation, "dtype": str(opts.torch_dtype).removeprefix("torch."),
+            "expert_dtype": opts.expert_dtype,
             "device_name": _device_name(opts.device, prov), "torch": torch.__version__,
             "transformers": prov["machine"]["transformers"], "weights": wid,
             "time": datetime.now(timezone.utc).isoformat(), "git_commit": prov["git"]["commit"],

@@ -2,13 +2,17 @@
 
 Defaults (the CLI reads no environment variables; the Makefile maps its variables to flags):
 - device: `cuda` when torch sees a GPU, else `cpu`;
-- dtype: `fp32` on a CPU; on CUDA `bf16`, except for Gate A (`exact=True`): `fp32` with the routed experts held in
-  `bf16` (their checkpoint dtype: the same weights, 102 GB of weights for the 48B model instead of 196 by
-  param_counts, so it fits one H200). Gate A asks whether the carried state gives the recompute path's tokens; in
-  bf16 a 27-layer model of random weights puts near-ties inside the rounding noise of two correct paths (measured:
-  Gate A 68/128 in bf16 on the H200, every divergence within the noise floor of the PyTorch-kernel control, record
-  380ad907), so bf16 cannot tell a bug from rounding there. In fp32 it can, and that is the question the gate exists
-  to answer. `--dtype bf16` still runs it in bf16 (the diagnosis then says near-tie or real);
+- dtype: `fp32` on a CPU; on CUDA `bf16`, except for Gate A, Gate B and self-made goldens (`exact=True`): `fp32`
+  with the routed experts held in `bf16` (their checkpoint dtype: the same weights, 102 GB of weights for the 48B
+  model instead of 196 by param_counts, so it fits one H200). Gate A asks whether the carried state gives the
+  recompute path's tokens; in bf16 a 27-layer model of random weights puts near-ties inside the rounding noise of
+  two correct paths (measured: Gate A 68/128 in bf16 on the H200, every divergence within the noise floor of the
+  PyTorch-kernel control, record 380ad907), so bf16 cannot tell a bug from rounding there. In fp32 it can, and
+  that is the question the gate exists to answer. Gate B follows for the same reason: in bf16 our kernels and
+  HF's part at the noise floor (17/128 against the HF bf16 golden, record 7b5cee1d), so on CUDA its default is
+  the fp32 golden our recompute path made (`gates/goldens/48b-a3b-fp32-cuda-self.json`), a regression check
+  across commits; HF cannot make that golden on one GPU. `--dtype bf16` still runs either gate in bf16 (Gate B
+  then against the HF bf16 golden; the diagnosis says near-tie or real);
 - expert dtype: the model dtype, except as above (`--expert-dtype`);
 - preset (without --model): `tiny` on a CPU; on CUDA `48b-a3b` when the GPU's free memory (NVML) holds its
   projected peak plus the floor, else `tiny` (the reason is printed).

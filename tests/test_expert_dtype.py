@@ -105,7 +105,7 @@ def test_gate_a_defaults_to_fp32_with_bf16_experts_on_cuda(monkeypatch):
     a = resolve(preset="48b-a3b", device="cuda", exact=True)
     assert (a.dtype, a.expert_dtype, a.precision) == ("fp32", "bf16", "fp32 (experts bf16)")
     assert (resolve(preset="48b-a3b", device="cuda").dtype, resolve(preset="48b-a3b", device="cuda").expert_dtype) \
-        == ("bf16", None)  # Gate B, the memory gate, goldens: the bf16 serving precision
+        == ("bf16", None)  # the memory gate, HF goldens: the bf16 serving precision
     assert resolve(preset="48b-a3b", device="cuda", dtype="bf16", exact=True).expert_dtype is None  # --dtype wins
     cpu = resolve(preset="tiny", device="cpu", exact=True)
     assert (cpu.dtype, cpu.expert_dtype) == ("fp32", None)
@@ -141,3 +141,22 @@ def test_default_preset_on_cuda_follows_the_projection_at_the_gates_precision(mo
     assert (preset == "tiny") == any("default preset: tiny" in s for s in said)
     none = resolve(device="cuda", exact=exact, log=said.append, reader=lambda: None)
     assert none.preset == "tiny" and "no NVML reading" in said[-1]
+
+
+def test_gate_b_on_cuda_defaults_to_the_committed_self_golden(monkeypatch):
+    """Gate B's CUDA default follows Gate A's precision (`gates.__main__.EXACT_COMMANDS`) and finds the fp32 golden
+    our recompute path made on the H200 for these prompts, weights and length; `--dtype bf16` finds HF's."""
+    from gates.__main__ import EXACT_COMMANDS
+    from gates.golden import GOLDEN_DIR, check_golden, find_golden, load_golden
+    from gates.run import battery_for
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "gate-b" in EXACT_COMMANDS and "gate-memory" not in EXACT_COMMANDS
+    opts = resolve(preset="48b-a3b", device="cuda", exact=True)
+    path = find_golden(opts)
+    assert path == GOLDEN_DIR / "48b-a3b-fp32-cuda-self.json"
+    g = load_golden(path)
+    hf = load_golden(find_golden(resolve(preset="48b-a3b", device="cuda", dtype="bf16", exact=True)))
+    assert (hf["source"], hf["dtype"]) == ("hf", "bf16")
+    assert (g["dtype"], g["device"], g["source"], g["weights"]) == ("fp32", "cuda", "self", hf["weights"])
+    assert g["provenance"]["expert_dtype"] == "bf16" and g["provenance"]["implementation"] == "self-recompute"
+    check_golden(g, path, hf["weights"], battery_for(opts).ids, opts.new_tokens)
