@@ -174,7 +174,11 @@ class MultiLatentAttention(nn.Module):
         S = c.shape[1]
         kv = self.kv_b_proj(c).view(B, S, self.H, self.dn + self.dv).transpose(1, 2)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, None].expand(B, self.H, S, self.P)], dim=-1)
+        # k = k_nope | k_pe (one k_pe for all heads), written as two copies into one buffer: torch.cat's kernel
+        # is slow on the head-broadcast (stride 0) k_pe
+        k = k_nope.new_empty(B, self.H, S, self.dn + self.P)
+        k[..., :self.dn] = k_nope
+        k[..., self.dn:] = k_pe[:, None]
         o = ops.mla_prefill_attention(q, k, v, self.scale)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.H * self.dv))
 

@@ -11,6 +11,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from . import kda, norms
@@ -112,15 +113,32 @@ def gated_rmsnorm(o, gate, weight, eps):
 
 
 # ---- MLA ----------------------------------------------------------------------------------------
+_cudnn_narrow_v: bool | None = None  # does cuDNN's flash attention take v narrower than q and k here? (first call)
+
+
 def mla_prefill_attention(q, k, v, scale):
     """Causal attention of T queries over S >= T keys, aligned at the end (query i sits at position S-T+i).
 
-    q, k [B,H,T|S,192], v [B,H,S,128]. On CUDA, v is zero-padded to q's head dim so the flash kernel applies
-    (it needs equal head dims); the padded output columns are exactly zero and are dropped.
+    q, k [B,H,T|S,192], v [B,H,S,128]. On CUDA, a prefill from an empty cache (T = S) in bf16/fp16 goes to cuDNN's
+    flash kernel, which takes v as it is. Elsewhere on CUDA (or where cuDNN refuses) v is zero-padded to q's head
+    dim so that a flash kernel applies (torch's own needs equal head dims), and the padded output columns,
+    exactly zero, are dropped. Both give the same bits (tests/test_gpu_paths.py); the padded form copies v and
+    multiplies the zeros.
     """
+    global _cudnn_narrow_v
     T, S, dv = q.shape[2], k.shape[2], v.shape[-1]
     mask = causal_lower_right(T, S)
     if q.is_cuda and dv < q.shape[-1]:
+        if T == S and q.dtype in (torch.bfloat16, torch.float16) and _cudnn_narrow_v is not False:
+            try:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+                _cudnn_narrow_v = True
+                return o
+            except RuntimeError:
+                if _cudnn_narrow_v:  # it ran before: this failure is not about the head dims
+                    raise
+                _cudnn_narrow_v = False
         v = F.pad(v, (0, q.shape[-1] - dv))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[..., :dv]
 
@@ -239,7 +257,7 @@ def moe_experts_grouped(x, idx, w, gate_up, down, shared_out=None):
     N, K = idx.shape
     E, I = gate_up.shape[0], down.shape[2]
     order, offs = sort_by_expert(idx, E)
-    gu = grouped_mm(x[order // K], gate_up.transpose(1, 2), offs)
+    gu = grouped_mm(moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
     h = silu_mul(gu[:, :I], gu[:, I:])
     out = grouped_mm(h, down.transpose(1, 2), offs)
     slot = torch.empty_like(order)
@@ -259,6 +277,18 @@ def sort_by_expert(idx, E: int):
     ids, order = torch.sort(keys, stable=True)
     bounds = torch.arange(1, E + 1, device=idx.device, dtype=keys.dtype)
     return order, torch.searchsorted(ids, bounds, out_int32=True)
+
+
+def moe_dispatch(x, order, K: int):
+    """x[order // K]: each (token, slot) pair's token row, in the pairs' sorted order (`sort_by_expert`)."""
+    if _triton(x):
+        from .triton.moe_dispatch import moe_dispatch as triton_moe_dispatch
+        return triton_moe_dispatch(x, order, K)
+    return moe_dispatch_torch(x, order, K)
+
+
+def moe_dispatch_torch(x, order, K: int):
+    return x[order // K]
 
 
 def grouped_mm(a, b, offs):

@@ -101,3 +101,21 @@ def test_packed_kda_projections_fp32_real_shapes():
         assert counts["packed"] <= counts["unpacked"] - 6 * n_kda, counts
     del m
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mla_prefill_attention_without_padding_v_gives_the_padded_forms_bits(dtype):
+    """A prefill from an empty cache hands v [.., 128] to cuDNN's flash kernel unpadded; the padded form (v zero-
+    padded to q's 192 columns, as torch's flash kernel needs) must give the same bits. With a cache (T < S) the
+    padded form runs."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, S = 1, 8, 1024
+    q, k = (torch.randn(B, H, S, 192, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    v = torch.randn(B, H, S, 128, device="cuda", dtype=dtype, generator=g)
+    o = ops.mla_prefill_attention(q, k, v, 0.07)
+    assert ops._cudnn_narrow_v is True  # the H200 image's cuDNN takes the narrower v
+    padded = torch.nn.functional.scaled_dot_product_attention(
+        q, k, torch.nn.functional.pad(v, (0, 64)), is_causal=True, scale=0.07)[..., :128]
+    assert o.shape == (B, H, S, 128) and torch.equal(o, padded)
+    tail = ops.mla_prefill_attention(q[:, :, -100:], k, v, 0.07)  # 100 new queries over the whole cache
+    assert rel_err(tail.float(), o[:, :, -100:].float()) < 1e-2  # other kernels: close, not the same bits

@@ -9,7 +9,8 @@
   `model.ops.mla_decode_attention_torch`); `mla_decode.mla_absorb`: the absorbed up-projections in fp32
   (held against fp64 by tests/test_triton_mla.py).
 - `conv.causal_conv1d`: the short causal conv + SiLU over a prefill span, the twin of `model.kda.causal_conv1d`.
-- `moe_combine.moe_combine`: the grouped-GEMM MoE's combine, the twin of `model.ops.moe_combine_torch`.
+- `moe_dispatch.moe_dispatch`, `moe_combine.moe_combine`: the grouped-GEMM MoE's dispatch (token rows in expert
+  order) and combine, the twins of `model.ops.moe_dispatch_torch` and `model.ops.moe_combine_torch`.
 - `act.silu_mul`: SwiGLU's silu(gate) * up in one pass, the twin of `F.silu(g) * u`.
 
 Triton chooses compiled (CUDA) or interpreted (CPU) kernels when a kernel module is first imported,
