@@ -68,9 +68,9 @@ def golden_command(opts: Options) -> int:
     return EXIT_PASS
 
 
-# The commands whose CUDA default is fp32 with bf16 experts (`gates.run.resolve`'s `exact`): the token-exact gates,
-# and self-made goldens, which are what Gate B's default looks up on CUDA (HF cannot make that golden: it holds one
-# dtype, and the 48B model in fp32 needs two H200s).
+# The commands whose CUDA default is fp32 with bf16 experts (`gates.run.resolve`'s `exact`): the token-exact gates.
+# `golden --source self` follows them, since it makes what Gate B's default looks up on CUDA (HF cannot make that
+# golden: it holds one dtype, and the 48B model in fp32 needs two H200s); HF goldens stay bf16.
 EXACT_COMMANDS = ("gate-a", "gate-b")
 
 # The record kind each gate appends; a gate that crashes (a kernel that fails to compile, CUDA out of memory)
