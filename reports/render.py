@@ -350,6 +350,17 @@ def gate_conditions(r: dict) -> str:
     return f"{r['preset']} {r['dtype']}" + (f", experts {experts}" if experts else "")
 
 
+def gate_reference(r: dict) -> str:
+    """What a gate run was judged against: Gate A the recompute path; Gate B its golden, by who made it, at which
+    precision and where (a self-made golden is a regression check, an HF one the independent oracle)."""
+    if r["kind"] != "gate_b":
+        return "recompute path"
+    impl = get(r, "params.golden_implementation")
+    if impl is None:
+        return "golden (not recorded)"
+    return f"golden: {impl} {get(r, 'params.golden_dtype')} {get(r, 'params.golden_device')}"
+
+
 def gates_section(gates: list[dict], out: Path) -> Section:
     s = Section("Gates")
     gates, s.blocks = usable(sorted(gates, key=lambda r: r["time"]), ("results.score", "results.total"), "gate")
@@ -374,9 +385,10 @@ def gates_section(gates: list[dict], out: Path) -> Section:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     s.blocks.append(Figure(save(fig, out, "gates"), "gate history", cite(gates)))
-    s.blocks.append(Table(["record", "time", "gate", "model, precision", "machine", "commit", "score", "passed",
-                           "verdict"],
-                          [[short_id(r), r["time"], r["kind"], gate_conditions(r), machine(r), commit(r),
+    s.blocks.append(Table(["record", "time", "gate", "model, precision", "judged against", "machine", "commit",
+                           "score", "passed", "verdict"],
+                          [[short_id(r), r["time"], r["kind"], gate_conditions(r), gate_reference(r), machine(r),
+                            commit(r),
                             f"{get(r, 'results.score')}/{get(r, 'results.total')}",
                             "PASS" if get(r, "results.passed") else "FAIL", r["verdict"]] for r in gates], cite(gates)))
     diag = [(r, d) for r in gates for d in get(r, "results.diagnoses", [])]

@@ -298,3 +298,16 @@ def test_gate_rows_say_the_precision_including_held_apart_experts():
                         params={"expert_dtype": None}, results={"score": 1, "total": 128, "passed": False})
     assert render.gate_conditions(mixed) == "48b-a3b float32, experts bf16"
     assert render.gate_conditions(plain) == "tiny float32"
+
+
+def test_gate_rows_say_what_each_gate_was_judged_against():
+    """Gate B's row names its golden (a self-made one is a regression check, HF's the independent oracle)."""
+    common = dict(preset="48b-a3b", dtype="float32", device="cuda", weights="w")
+    a = make_record("gate_a", params={}, results={"score": 128, "total": 128, "passed": True}, **common)
+    self_b = make_record("gate_b", params={"golden_implementation": "self-recompute", "golden_dtype": "fp32",
+                                           "golden_device": "cuda"},
+                         results={"score": 128, "total": 128, "passed": True}, **common)
+    old_b = make_record("gate_b", params={}, results={"score": 17, "total": 128, "passed": False}, **common)
+    assert render.gate_reference(a) == "recompute path"
+    assert render.gate_reference(self_b) == "golden: self-recompute fp32 cuda"
+    assert render.gate_reference(old_b) == "golden (not recorded)"
