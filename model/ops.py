@@ -257,12 +257,22 @@ def moe_experts_grouped(x, idx, w, gate_up, down, shared_out=None):
     N, K = idx.shape
     E, I = gate_up.shape[0], down.shape[2]
     order, offs = sort_by_expert(idx, E)
+    if _triton(x) and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16:
+        from .triton import moe_grouped
+        if moe_grouped.CONFIG["enabled"]:  # under evaluation, off by default: see model/triton/moe_grouped.py
+            out = moe_grouped.down(moe_grouped.gate_up_silu(x, order, offs, gate_up, K), offs, down)
+            return moe_combine(out, pair_rows(order).view(N, K), w, shared_out, x.dtype)
     gu = grouped_mm(moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
     h = silu_mul(gu[:, :I], gu[:, I:])
     out = grouped_mm(h, down.transpose(1, 2), offs)
+    return moe_combine(out, pair_rows(order).view(N, K), w, shared_out, x.dtype)
+
+
+def pair_rows(order):
+    """The inverse of the sorted pair order: the row of the expert outputs that holds flat pair n*K + k."""
     slot = torch.empty_like(order)
-    slot[order] = torch.arange(N * K, device=x.device)     # the row of `out` that holds pair (n, k)
-    return moe_combine(out, slot.view(N, K), w, shared_out, x.dtype)
+    slot[order] = torch.arange(order.numel(), device=order.device)
+    return slot
 
 
 def sort_by_expert(idx, E: int):
