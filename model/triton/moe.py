@@ -69,9 +69,9 @@ def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D
     """Slot k < K of token n reads expert idx[n, k]; slot K (when SLOTS = K + 1) the shared expert. The routed
     stack may be held in another dtype than the shared expert (model.checkpoint.ROUTED_EXPERTS): each branch
     then reads through its own pointers, and only their fp32 sums meet (Triton refuses one pointer variable of
-    two element types). With one dtype (serving) the branch only picks the rows and one loop reads them: the
-    machine code of the kernel timed before the split (89ed1ed), where the split form compiles the loop twice
-    (536 against 360 sm_90 instructions, 40 against 48 registers)."""
+    two element types). With one dtype (serving) the branch only picks the rows and one loop reads them: for
+    sm_90 that compiles to the instructions of the kernel timed before the split (89ed1ed), where the split
+    form compiles the loop twice, with fewer registers."""
     pid = tl.program_id(0)
     pid_i = tl.program_id(1)
     n = pid // SLOTS
