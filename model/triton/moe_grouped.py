@@ -50,18 +50,23 @@ def _dot(a, b, acc, COMPILED: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(tile_e, tile_r0, offs, BM: tl.constexpr):
+    """(expert, rows, live rows) of this program's row tile (`expert_tiles`); expert -1 past the last tile."""
+    e = tl.load(tile_e + tl.program_id(0))
+    r = tl.load(tile_r0 + tl.program_id(0)) + tl.arange(0, BM)
+    return e, r, r < tl.load(offs + tl.maximum(e, 0))
+
+
+@triton.jit
 def _gate_up_silu_kernel(x, order, w, h, tile_e, tile_r0, offs, K: tl.constexpr, D: tl.constexpr,
                          I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                          COMPILED: tl.constexpr):
     """Grid (max tiles, cdiv(I, BN)). x [N, D]; order [M] sorted pairs (flat n*K + k); w [E, 2I, D] (gate rows,
     then up rows); h [M, I]; tile_e / tile_r0 [max tiles] int32 (expert, first row; expert -1 past the last
     tile); offs [E] int32 row ends."""
-    e = tl.load(tile_e + tl.program_id(0))
-    if e < 0:
+    e, r, live = _row_tile(tile_e, tile_r0, offs, BM)
+    if e < 0:  # past the last tile
         return
-    end = tl.load(offs + e)
-    r = tl.load(tile_r0 + tl.program_id(0)) + tl.arange(0, BM)
-    live = r < end
     tok = (tl.load(order + r, mask=live, other=0) // K).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_n = n < I
@@ -92,12 +97,9 @@ def _gate_up_silu_kernel(x, order, w, h, tile_e, tile_r0, offs, K: tl.constexpr,
 def _down_kernel(h, w, out, tile_e, tile_r0, offs, D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, COMPILED: tl.constexpr):
     """Grid (max tiles, cdiv(D, BN)). h [M, I] (sorted rows); w [E, D, I]; out [M, D] (sorted rows)."""
-    e = tl.load(tile_e + tl.program_id(0))
-    if e < 0:
+    e, r, live = _row_tile(tile_e, tile_r0, offs, BM)
+    if e < 0:  # past the last tile
         return
-    end = tl.load(offs + e)
-    r = tl.load(tile_r0 + tl.program_id(0)) + tl.arange(0, BM)
-    live = r < end
     r64 = r.to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_n = n < D
