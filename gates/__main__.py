@@ -73,6 +73,10 @@ def golden_command(opts: Options) -> int:
 # golden: it holds one dtype, and the 48B model in fp32 needs two H200s); HF goldens stay bf16.
 EXACT_COMMANDS = ("gate-a", "gate-b")
 
+
+def exact_precision(command: str, source: str) -> bool:
+    return command in EXACT_COMMANDS or (command == "golden" and source == "self")
+
 # The record kind each gate appends; a gate that crashes (a kernel that fails to compile, CUDA out of memory)
 # still appends one, INVALID, so that a nightly run's records say what happened instead of going silent.
 RECORD_KINDS = {"gate-a": "gate_a", "gate-b": "gate_b", "gate-memory": "memory"}
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = resolve(preset=args.preset, model=args.model, dtype=args.dtype, device=args.device,
                        new_tokens=args.new_tokens, floor_gib=args.floor_gib, source=args.source,
                        golden=args.golden, seed=args.seed, kernels=args.kernels, expert_dtype=args.expert_dtype,
-                       exact=args.command in EXACT_COMMANDS or (args.command == "golden" and args.source == "self"))
+                       exact=exact_precision(args.command, args.source))
         limit_cpu_threads(opts)
         if args.command == "gate-a":
             from .gate_a import run_gate_a

@@ -146,11 +146,13 @@ def test_default_preset_on_cuda_follows_the_projection_at_the_gates_precision(mo
 def test_gate_b_on_cuda_defaults_to_the_committed_self_golden(monkeypatch):
     """Gate B's CUDA default follows Gate A's precision (`gates.__main__.EXACT_COMMANDS`) and finds the fp32 golden
     our recompute path made on the H200 for these prompts, weights and length; `--dtype bf16` finds HF's."""
-    from gates.__main__ import EXACT_COMMANDS
+    from gates.__main__ import EXACT_COMMANDS, exact_precision
     from gates.golden import GOLDEN_DIR, check_golden, find_golden, load_golden
     from gates.run import battery_for
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert "gate-b" in EXACT_COMMANDS and "gate-memory" not in EXACT_COMMANDS
+    assert exact_precision("golden", "self") and not exact_precision("golden", "hf")  # HF goldens stay bf16
+    assert not exact_precision("gate-memory", "hf")
     opts = resolve(preset="48b-a3b", device="cuda", exact=True)
     path = find_golden(opts)
     assert path == GOLDEN_DIR / "48b-a3b-fp32-cuda-self.json"
