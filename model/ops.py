@@ -260,7 +260,7 @@ def moe_experts_grouped(x, idx, w, gate_up, down, shared_out=None):
     if _triton(x) and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16:
         from .triton import moe_grouped
         if moe_grouped.CONFIG["enabled"]:  # under evaluation, off by default: see model/triton/moe_grouped.py
-            out = moe_grouped.down(moe_grouped.gate_up_silu(x, order, offs, gate_up, K), offs, down)
+            out = moe_grouped.experts(x, order, offs, gate_up, down, K)
             return moe_combine(out, pair_rows(order).view(N, K), w, shared_out, x.dtype)
     gu = grouped_mm(moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
     h = silu_mul(gu[:, :I], gu[:, I:])

@@ -12,8 +12,7 @@
 - `moe_dispatch.moe_dispatch`, `moe_combine.moe_combine`: the grouped-GEMM MoE's dispatch (token rows in expert
   order) and combine, the twins of `model.ops.moe_dispatch_torch` and `model.ops.moe_combine_torch`.
 - `act.silu_mul`: SwiGLU's silu(gate) * up in one pass, the twin of `F.silu(g) * u`.
-- `moe_grouped.gate_up_silu`, `moe_grouped.down`: the prefill MoE's grouped expert GEMMs with the dispatch and
-  SwiGLU fused in, held against `model.ops.moe_experts_torch`; under evaluation, off by default (`CONFIG`).
+- `moe_grouped.experts`: the prefill MoE's grouped expert GEMMs with the dispatch and SwiGLU fused in, held against `model.ops.moe_experts_torch`; under evaluation, off by default (`CONFIG`).
 
 Triton chooses compiled (CUDA) or interpreted (CPU) kernels when a kernel module is first imported,
 from TRITON_INTERPRET (read by triton): set it to 1 before that import to run them on the CPU.
@@ -51,8 +50,13 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def compiled(kernel) -> bool:
+    """Whether Triton compiles `kernel` (for the GPU) rather than interpreting it (TRITON_INTERPRET=1)."""
+    return type(kernel).__name__ != "InterpretedFunction"
+
+
 def require_runnable(kernel, device: torch.device) -> None:
     """Clear error instead of a Triton crash when a compiled kernel is handed CPU tensors."""
-    if device.type != "cuda" and type(kernel).__name__ != "InterpretedFunction":
+    if device.type != "cuda" and compiled(kernel):
         raise RuntimeError(f"model.triton kernels need CUDA tensors, got {device}; for CPU runs set "
                            "TRITON_INTERPRET=1 before model.triton's kernel modules are first imported")

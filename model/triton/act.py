@@ -28,6 +28,17 @@ _BLOCK = 4096  # elements per program: rows x columns, columns a power of two up
 
 
 @triton.jit
+def _silu_f32(y, LIBDEVICE: tl.constexpr):
+    """silu(y) in fp32 as torch computes it: y / (1 + exp(-y)) with an IEEE exp and division. LIBDEVICE: CUDA's
+    IEEE expf (tl.exp is a faster approximation); the CPU interpreter has no libdevice."""
+    if LIBDEVICE:
+        e = libdevice.exp(-y)
+    else:
+        e = tl.exp(-y)
+    return tl.math.div_rn(y, 1.0 + e)
+
+
+@triton.jit
 def _silu_mul_kernel(g, u, h, N, I, stride_g, stride_u,
                      ROWS: tl.constexpr, BI: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Grid (cdiv(N, ROWS), cdiv(I, BI)). g, u: N rows of I (row strides given, columns contiguous);
@@ -40,11 +51,7 @@ def _silu_mul_kernel(g, u, h, N, I, stride_g, stride_u,
     dt = h.dtype.element_ty
     b_g = tl.load(g + r64 * stride_g + cols[None, :], mask=mask, other=0.).to(tl.float32)
     b_u = tl.load(u + r64 * stride_u + cols[None, :], mask=mask, other=0.).to(tl.float32)
-    if LIBDEVICE:
-        e = libdevice.exp(-b_g)
-    else:
-        e = tl.exp(-b_g)
-    s = tl.math.div_rn(b_g, 1.0 + e).to(dt).to(tl.float32)
+    s = _silu_f32(b_g, LIBDEVICE).to(dt).to(tl.float32)
     tl.store(h + r64 * I + cols[None, :], (s * b_u).to(dt), mask=mask)
 
 

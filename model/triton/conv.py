@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 import model.triton as mt
+from model.triton.act import _silu_f32
 from model.kda import carried_taps
 
 
@@ -49,11 +49,7 @@ def _causal_conv1d_kernel(x, taps, w, y, T, C, stride_xb, stride_xt,
         b_w = tl.load(w + c * W + j, mask=m_c, other=0.)
         acc += b_x.to(wdt).to(tl.float32) * b_w.to(tl.float32)[None, :]
     b_y = acc.to(wdt).to(tl.float32)
-    if LIBDEVICE:
-        e = libdevice.exp(-b_y)
-    else:
-        e = tl.exp(-b_y)
-    b_y = tl.math.div_rn(b_y, 1.0 + e).to(wdt).to(xdt)
+    b_y = _silu_f32(b_y, LIBDEVICE).to(wdt).to(xdt)
     y_tile = y + (i_b.to(tl.int64) * T + i_t * BT) * C
     tl.store(y_tile + r[:, None] * C + c[None, :], b_y, mask=(t < T)[:, None] & m_c[None, :])
 

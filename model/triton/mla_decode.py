@@ -145,7 +145,7 @@ def _mla_decode_combine_kernel(o_part, m_part, l_part, pos_ptr, out, SPLIT: tl.c
 
 
 def _compiled() -> bool:
-    return type(_mla_decode_split_kernel).__name__ != "InterpretedFunction"
+    return mt.compiled(_mla_decode_split_kernel)
 
 
 def _pad(n: int) -> int:

@@ -1,6 +1,6 @@
 """Grouped expert GEMMs of the prefill MoE in Triton, with the dispatch and the SwiGLU fused in: an alternative
 to `model.ops.moe_experts_grouped`'s torch form (dispatch copy, torch's grouped GEMM, `silu_mul`, grouped GEMM),
-the twin of `model.ops.moe_experts_torch` up to fp32 summation order. NOT the model's path until measured:
+the twin of `model.ops.moe_experts_torch` up to fp32 summation order (`experts`). NOT the model's path until measured:
 `CONFIG["enabled"]` is False, and `bench_kernels --ops moe_prefill` times it beside the torch form.
 
 Why it might pay (the 8k prefill of the 48B model, decomposition 4af01266): torch's grouped GEMMs take 51.3 ms,
@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 import model.triton as mt
+from model.triton.act import _silu_f32
 from model.triton.kda_chunk import _rounded
 
 CONFIG = dict(enabled=False, BM=64, BN=128, BK=64, num_warps=4, num_stages=3)
@@ -84,11 +84,7 @@ def _gate_up_silu_kernel(x, order, w, h, tile_e, tile_r0, offs, K: tl.constexpr,
         acc_u = _dot(a, b_u, acc_u, COMPILED)
     dt = h.dtype.element_ty
     g = _to(acc_g, dt, COMPILED).to(tl.float32)
-    if COMPILED:  # CUDA's IEEE expf, as silu_mul (tl.exp is a faster approximation; no libdevice interpreted)
-        ex = libdevice.exp(-g)
-    else:
-        ex = tl.exp(-g)
-    s = _to(tl.math.div_rn(g, 1.0 + ex), dt, COMPILED).to(tl.float32)
+    s = _to(_silu_f32(g, COMPILED), dt, COMPILED).to(tl.float32)
     out = _to(s * _to(acc_u, dt, COMPILED).to(tl.float32), dt, COMPILED)
     tl.store(h + r.to(tl.int64)[:, None] * I + n[None, :], out, mask=live[:, None] & m_n[None, :])
 
@@ -116,10 +112,6 @@ def _down_kernel(h, w, out, tile_e, tile_r0, offs, D: tl.constexpr, I: tl.conste
              mask=live[:, None] & m_n[None, :])
 
 
-def _compiled() -> bool:
-    return type(_down_kernel).__name__ != "InterpretedFunction"
-
-
 def expert_tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(tile_e, tile_r0), each [cdiv(M, BM) + E] int32: the expert and first row of every row tile, experts in
     order, each expert's rows offs[e-1]:offs[e] cut into tiles of BM; -1 / 0 past the last tile. Device ops only
@@ -137,37 +129,26 @@ def expert_tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, tor
     return torch.where(live, e, -1).to(torch.int32), torch.where(live, r0, 0).to(torch.int32)
 
 
-def gate_up_silu(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, K: int,
-                 cfg: dict | None = None) -> torch.Tensor:
-    """h [M, I] = silu(x_r W1[e]^T) * (x_r W3[e]^T) for each sorted pair row r (token order[r] // K, expert e by
-    offs), rounded as the torch form rounds."""
+def experts(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, down_w: torch.Tensor,
+            K: int, cfg: dict | None = None) -> torch.Tensor:
+    """out [M, D] = W2[e] (silu(W1[e] x_r) * W3[e] x_r) for each sorted pair row r (token order[r] // K, expert e
+    by offs), in the sorted order, rounded as the torch form rounds. `cfg` overrides keys of CONFIG."""
     c = {**CONFIG, **(cfg or {})}
     N, D = x.shape
     E, I2, D2 = gate_up.shape
     M, I = order.numel(), I2 // 2
-    if D2 != D or M != N * K or offs.shape != (E,):
-        raise ValueError(f"gate_up_silu: x {tuple(x.shape)}, order {tuple(order.shape)}, offs {tuple(offs.shape)}, "
-                         f"gate_up {tuple(gate_up.shape)} do not fit K={K}")
+    if D2 != D or M != N * K or offs.shape != (E,) or down_w.shape != (E, D, I):
+        raise ValueError(f"moe_grouped.experts: x {tuple(x.shape)}, order {tuple(order.shape)}, offs "
+                         f"{tuple(offs.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down_w.shape)} do not "
+                         f"fit K={K}")
     mt.require_runnable(_gate_up_silu_kernel, x.device)
+    tiles = expert_tiles(offs, M, c["BM"])  # one layout for both GEMMs: the same rows, the same tiles
+    launch = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], COMPILED=mt.compiled(_gate_up_silu_kernel),
+                  num_warps=c["num_warps"], num_stages=c["num_stages"])
     h = mt.empty(M, I, dtype=x.dtype, device=x.device)
-    tile_e, tile_r0 = expert_tiles(offs, M, c["BM"])
-    _gate_up_silu_kernel[(tile_e.numel(), triton.cdiv(I, c["BN"]))](
-        x.contiguous(), order, gate_up.contiguous(), h, tile_e, tile_r0, offs, K=K, D=D, I=I, BM=c["BM"],
-        BN=c["BN"], BK=c["BK"], COMPILED=_compiled(), num_warps=c["num_warps"], num_stages=c["num_stages"])
-    return h
-
-
-def down(h: torch.Tensor, offs: torch.Tensor, down_w: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
-    """out [M, D] = h_r W2[e]^T for each sorted row r (expert e by offs), rounded to h's dtype."""
-    c = {**CONFIG, **(cfg or {})}
-    M, I = h.shape
-    E, D, I2 = down_w.shape
-    if I2 != I or offs.shape != (E,):
-        raise ValueError(f"down: h {tuple(h.shape)}, offs {tuple(offs.shape)}, down {tuple(down_w.shape)} do not fit")
-    mt.require_runnable(_down_kernel, h.device)
-    out = mt.empty(M, D, dtype=h.dtype, device=h.device)
-    tile_e, tile_r0 = expert_tiles(offs, M, c["BM"])
-    _down_kernel[(tile_e.numel(), triton.cdiv(D, c["BN"]))](
-        h, down_w.contiguous(), out, tile_e, tile_r0, offs, D=D, I=I, BM=c["BM"], BN=c["BN"], BK=c["BK"],
-        COMPILED=_compiled(), num_warps=c["num_warps"], num_stages=c["num_stages"])
+    _gate_up_silu_kernel[(tiles[0].numel(), triton.cdiv(I, c["BN"]))](
+        x.contiguous(), order, gate_up.contiguous(), h, *tiles, offs, K=K, D=D, I=I, **launch)
+    out = mt.empty(M, D, dtype=x.dtype, device=x.device)
+    _down_kernel[(tiles[0].numel(), triton.cdiv(D, c["BN"]))](
+        h, down_w.contiguous(), out, *tiles, offs, D=D, I=I, **launch)
     return out
