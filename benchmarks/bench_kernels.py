@@ -3,7 +3,6 @@
     python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine]
         [--chunk-T 1024,8192,32768] [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
-    python -m benchmarks.bench_kernels --ops moe_prefill [--prefill-T 8192]
     python -m benchmarks.bench_kernels --ops mla_decode_layout [--mla-T 1056,8192]
     python -m benchmarks.bench_kernels --ops mla_absorb
 
@@ -22,9 +21,7 @@ FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=
 - prefill plumbing, batch 1, T tokens, the 48B's shapes, against the torch forms they replace (peer `torch`):
   `causal_conv1d` (3*H*D channels, 4 taps, from carried taps: ours must match torch's bits, rel_err 0) and
   `moe_combine` (T tokens x top-8 expert rows of 2304 plus the shared expert's, vs the index_add-into-fp32
-  combine the grouped MoE used before); `moe_prefill` (not in the default --ops: the fused Triton grouped
-  GEMMs of model/triton/moe_grouped.py, under evaluation, against the torch form the model runs, with a sweep
-  of tile configs in `results.sweep`).
+  combine the grouped MoE used before).
 Times are medians of `triton.testing.do_bench` (L2 flushed before each call, CUDA events: GPU time), the same
 method for ours and the peer; decode shapes also record back-to-back eager times (host launch cost included).
 For kernels of a few tens of microseconds do_bench is a poor guide to the time inside the model's decode graph
@@ -555,56 +552,7 @@ def combine_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     return res, []
 
 
-# moe_prefill: tile configs of the fused grouped GEMMs timed beside the default (results.sweep)
-MOE_PREFILL_SWEEP = [dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=3),
-                     dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
-                     dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-                     dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=3),
-                     dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4)]
-
-
-def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
-    """The prefill MoE's expert GEMMs for T tokens at the 48B's shapes (256 experts, top-8, D 2304, I 1024, bf16,
-    uniformly random routing), from the same sorted pairs: the fused Triton form (`moe_grouped`: dispatch and
-    SwiGLU fused in) against the torch form the model runs (dispatch copy, torch's grouped GEMM, silu_mul,
-    grouped GEMM). The sort and the combine, common to both, are left out."""
-    from model import ops
-    from model.triton import moe_grouped as mg
-    gen = torch.Generator().manual_seed(T)
-    K, E, Dm, I = 8, 256, 2304, 1024
-    x = torch.randn(T, Dm, generator=gen).cuda().to(DTYPE)
-    gate_up = (torch.randn(E, 2 * I, Dm, device="cuda", dtype=DTYPE) / Dm ** 0.5)
-    down = (torch.randn(E, Dm, I, device="cuda", dtype=DTYPE) / I ** 0.5)
-    idx = torch.rand(T, E, generator=gen).topk(K, dim=-1).indices.cuda()
-    order, offs = ops.sort_by_expert(idx, E)
-
-    def torch_form():
-        gu = ops.grouped_mm(ops.moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
-        return ops.grouped_mm(ops.silu_mul(gu[:, :I], gu[:, I:]), down.transpose(1, 2), offs)
-
-    def fused(cfg=None):
-        return mg.experts(x, order, offs, gate_up, down, K, cfg)
-
-    flops = 2 * T * K * 3 * Dm * I
-    res = {"ours_ms": gpu_ms(fused, rep_ms), "peer_ms": gpu_ms(torch_form, rep_ms),
-           "rel_err_vs_peer": rel_err(fused(), torch_form()), "peer": f"torch-{torch.__version__} grouped_mm",
-           "cfg": {k: v for k, v in mg.CONFIG.items() if k != "enabled"}, "sweep": []}
-    for cfg in MOE_PREFILL_SWEEP:
-        try:
-            res["sweep"].append({"cfg": cfg, "ms": gpu_ms(lambda: fused(cfg), rep_ms)})
-        except Exception as e:  # a config that does not compile or launch is reported, not fatal
-            res["sweep"].append({"cfg": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-    res["tflops_ours"], res["tflops_peer"] = (flops / (res[k] * 1e9) for k in ("ours_ms", "peer_ms"))
-    log(f"  moe_prefill T={T}: fused {res['ours_ms']:.3f} ms ({res['tflops_ours']:.0f} TFLOP/s), torch form "
-        f"{res['peer_ms']:.3f} ms ({res['tflops_peer']:.0f}); sweep " +
-        ", ".join(f"{c['cfg']['BM']}x{c['cfg']['BN']}x{c['cfg']['BK']}/{c['cfg']['num_warps']}w/"
-                  f"{c['cfg']['num_stages']}s {c.get('ms', float('nan')):.3f}" for c in res["sweep"]))
-    reasons = [] if res["rel_err_vs_peer"] < 1e-2 else [f"fused output differs from the torch form's: rel_err "
-                                                        f"{res['rel_err_vs_peer']:.2e}"]
-    return res, reasons
-
-
-TORCH_PEER_CASES = {"causal_conv1d": conv_case, "moe_combine": combine_case, "moe_prefill": moe_prefill_case}
+TORCH_PEER_CASES = {"causal_conv1d": conv_case, "moe_combine": combine_case}
 
 
 def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int, device: str = "cuda") -> dict:
@@ -620,8 +568,7 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
         params.update(H=MLA_H, d=MLA_R + MLA_P, ours_scope="split-K kernel + combine, positions 0..T-1 read",
                       peer_scope="bf16 einsums + softmax over the whole T-position buffer")
     if op in TORCH_PEER_CASES:
-        params.update(peer_scope="the torch form the model runs; ours under evaluation" if op == "moe_prefill"
-                      else "the torch form this replaces")
+        params.update(peer_scope="the torch form this replaces")
     log(f"{op} B={B} T={T} ...")
     try:
         if op == "mla_decode":
@@ -898,8 +845,7 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk-T", default="1024,8192,32768")
     ap.add_argument("--decode-B", default="1,8,64")
     ap.add_argument("--mla-T", default="1024,32768,131072", help="mla_decode contexts (batch 1)")
-    ap.add_argument("--prefill-T", default="8192", help="token counts for the causal_conv1d, moe_combine and "
-                                                        "moe_prefill cases")
+    ap.add_argument("--prefill-T", default="8192", help="token counts for the causal_conv1d and moe_combine cases")
     ap.add_argument("--moe-N", default="1,8", help="tokens per MoE decode step (moe_decode)")
     ap.add_argument("--moe-sweep", action="store_true", help="moe_decode: also time every tile config of the grid")
     ap.add_argument("--decode-sweep", action="store_true",
