@@ -353,7 +353,9 @@ def sweep(name: str, configs: list[dict], default: dict, run, timed, tol: float,
 # model/triton/kda_chunk.py).
 CHUNK_SWEEP = ([dict(chunk=c, prep_warps=w) for c in (16, 32, 64) for w in (1, 2, 4) if (c, w) != (64, 1)]
                + [dict(slice=s) for s in (32, 128)]
-               + [dict(scan_bv=bv, scan_warps=w) for bv in (16, 32, 64) for w in (4, 8)])
+               + [dict(scan_bv=bv, scan_warps=w, scan_dots=d) for d in ("tf32", "bf16") for bv in (16, 32, 64)
+                  for w in (4, 8)]
+               + [dict(prep_dots="bf16", prep_warps=w) for w in (1, 2, 4)])
 # bf16 outputs of two configs differ by the order of fp32 sums and tf32 roundings (relative RMS about 1e-3 against
 # fp64, tests/test_triton_kda.py); a wrong block or missing term gives errors of order 1
 CHUNK_SWEEP_TOL = 1e-2
@@ -514,9 +516,15 @@ def mla_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     return res, reasons
 
 
+# causal_conv1d: tiles timed beside the default (results.sweep), each held to torch's bits
+CONV_SWEEP = [dict(BT=32, BC=64, num_warps=2), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=128, num_warps=4),
+              dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=4), dict(BT=64, BC=64, num_warps=4),
+              dict(BT=16, BC=256, num_warps=4), dict(BT=32, BC=128, num_warps=8)]
+
+
 def conv_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     from model import kda
-    from model.triton.conv import causal_conv1d
+    from model.triton.conv import CONFIG, causal_conv1d
     gen = torch.Generator().manual_seed(T)
     C = 3 * H * D
     x = torch.randn(1, T, C, generator=gen).cuda().to(DTYPE)
@@ -525,7 +533,18 @@ def conv_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     y, ref = causal_conv1d(x, w, taps)[0], kda.causal_conv1d(x, w, taps)[0]
     res = {"ours_ms": gpu_ms(lambda: causal_conv1d(x, w, taps), rep_ms),
            "peer_ms": gpu_ms(lambda: kda.causal_conv1d(x, w, taps), rep_ms), "rel_err_vs_peer": rel_err(y, ref),
-           "bits_differing": int((y != ref).sum()), "peer": f"torch-{torch.__version__}"}
+           "bits_differing": int((y != ref).sum()), "peer": f"torch-{torch.__version__}", "cfg": dict(CONFIG),
+           "sweep": []}
+    for cfg in CONV_SWEEP:
+        try:
+            y_c = causal_conv1d(x, w, taps, cfg)[0]
+            res["sweep"].append({"cfg": cfg, "ms": gpu_ms(lambda: causal_conv1d(x, w, taps, cfg), rep_ms),
+                                 "bits_differing": int((y_c != ref).sum())})
+        except Exception as e:  # a config that does not compile or launch is reported, not fatal
+            res["sweep"].append({"cfg": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    log("  causal_conv1d sweep: " + ", ".join(f"{c['cfg']['BT']}x{c['cfg']['BC']}/{c['cfg']['num_warps']}w "
+                                              f"{c.get('ms', float('nan')):.4f} ms ({c.get('bits_differing')} bits)"
+                                              for c in res["sweep"]))
     return res, [] if res["bits_differing"] == 0 else [f"{res['bits_differing']} output elements differ from torch's"]
 
 

@@ -132,18 +132,21 @@ def run_decode(inp, **kw):
 # ---- chunked prefill ----------------------------------------------------------------------------
 
 @settings(max_examples=20)
-@example(T=1, B=1, K=16, V=16, regime="minus1000", with_state=True, dtype="fp32", seed=0)
-@example(T=63, B=2, K=32, V=16, regime="minus5", with_state=True, dtype="fp32", seed=1)
-@example(T=65, B=1, K=16, V=32, regime="near0", with_state=True, dtype="bf16", seed=2)
-@example(T=33, B=1, K=32, V=16, regime="spikes", with_state=True, dtype="fp32", seed=5)
-@example(T=130, B=1, K=32, V=32, regime="mixed", with_state=True, dtype="fp32", seed=3)
-@example(T=130, B=2, K=32, V=32, regime="spikes", with_state=False, dtype="fp32", seed=4)
+@example(T=1, B=1, K=16, V=16, regime="minus1000", with_state=True, dtype="fp32", seed=0, prep_dots="bf16", scan_dots="bf16")
+@example(T=63, B=2, K=32, V=16, regime="minus5", with_state=True, dtype="fp32", seed=1, prep_dots="bf16", scan_dots="bf16")
+@example(T=65, B=1, K=16, V=32, regime="near0", with_state=True, dtype="bf16", seed=2, prep_dots="bf16", scan_dots="bf16")
+@example(T=65, B=1, K=16, V=32, regime="near0", with_state=True, dtype="bf16", seed=2, prep_dots="tf32", scan_dots="tf32")
+@example(T=33, B=1, K=32, V=16, regime="spikes", with_state=True, dtype="fp32", seed=5, prep_dots="bf16", scan_dots="bf16")
+@example(T=130, B=1, K=32, V=32, regime="mixed", with_state=True, dtype="fp32", seed=3, prep_dots="bf16", scan_dots="bf16")
+@example(T=130, B=2, K=32, V=32, regime="spikes", with_state=False, dtype="fp32", seed=4, prep_dots="bf16", scan_dots="bf16")
 @given(T=st.sampled_from([1, 2, 17, 31, 32, 33, 63, 64, 65, 100, 128, 130]), B=st.integers(1, 2),
        K=st.sampled_from([16, 32]), V=st.sampled_from([16, 32]), regime=st.sampled_from(REGIMES),
-       with_state=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**16))
-def test_chunk_matches_torch_and_fp64(T, B, K, V, regime, with_state, dtype, seed):
+       with_state=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**16),
+       prep_dots=st.sampled_from(["tf32", "bf16"]), scan_dots=st.sampled_from(["tf32", "bf16"]))
+def test_chunk_matches_torch_and_fp64(T, B, K, V, regime, with_state, dtype, seed, prep_dots, scan_dots):
+    """prep_dots and scan_dots (CONFIG) choose the dot operands for bf16 inputs; fp32 inputs ignore them (tf32x3)."""
     q, k, v, g, beta, h0 = kda_inputs(B, T, 2, K, V, regime, seed, DTYPES[dtype], with_state)
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=dict(prep_dots=prep_dots, scan_dots=scan_dots))
     assert o.dtype == v.dtype and o.shape == v.shape and ht.dtype == torch.float32
     ro, rh = kda.chunk_kda(q, k, v, g, beta, initial_state=h0)
     no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
@@ -177,6 +180,8 @@ def test_chunk_rejects_a_bad_config():
         chunk_kda_fwd(q, k, v, g, beta, cfg=dict(chunk=48))
     with pytest.raises(ValueError, match="unknown cfg keys"):
         chunk_kda_fwd(q, k, v, g, beta, cfg=dict(warps=4))
+    with pytest.raises(ValueError, match="scan_dots must be"):
+        chunk_kda_fwd(q, k, v, g, beta, cfg=dict(scan_dots="fp16"))
 
 
 def test_chunk_empty_sequence_returns_the_initial_state():
@@ -572,12 +577,14 @@ def sm90_spills() -> dict:
                             dict(H=32, K=128, V=128, BT=kc.CONFIG["chunk"], BK=kc.CONFIG["slice"],
                                  LOG2_BT=kc.CONFIG["chunk"].bit_length() - 1,
                                  L2NORM=True, PREC="tf32", S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128,
-                                 S_G=32 * 128), num_warps=kc.CONFIG["prep_warps"]),
+                                 S_G=32 * 128, BF16_DOTS=kc.CONFIG["prep_dots"] == "bf16", COMPILED=True),
+                            num_warps=kc.CONFIG["prep_warps"]),
         "scan": stack_bytes(kc._kda_chunk_scan_kernel, {**dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf),
                                                     **dict.fromkeys(["eglast", "h0", "ht"], f32), "o": bf,
                                                     "T": "i32", "NT": "i32"},
                             dict(H=32, K=128, V=128, BT=kc.CONFIG["chunk"], BV=kc.CONFIG["scan_bv"], HAS_H0=True,
-                                 STORE_HT=True, PREC="tf32"), num_warps=kc.CONFIG["scan_warps"], num_stages=1),
+                                 STORE_HT=True, PREC="tf32", BF16_DOTS=kc.CONFIG["scan_dots"] == "bf16",
+                                 COMPILED=True), num_warps=kc.CONFIG["scan_warps"], num_stages=1),
         "decode": stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32",
                                                       "eps": "fp32"},
                               dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False),
@@ -587,6 +594,19 @@ def sm90_spills() -> dict:
                                                  "eps": "fp32"},
                             dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False), num_warps=8),
     }
+    # both kernels with bf16 dot operands (CONFIG prep_dots, scan_dots), at the default's tiles
+    out["prep_bf16_dots"] = stack_bytes(
+        kc._kda_chunk_prep_kernel, {**dict.fromkeys("qkv", bf), "g": f32, "beta": bf,
+                                    **dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf), "eglast": f32,
+                                    "T": "i32", "NT": "i32", "scale": "fp32"},
+        dict(H=32, K=128, V=128, BT=kc.CONFIG["chunk"], BK=kc.CONFIG["slice"], LOG2_BT=kc.CONFIG["chunk"].bit_length() - 1,
+             L2NORM=True, PREC="tf32", S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128, S_G=32 * 128,
+             BF16_DOTS=True, COMPILED=True), num_warps=kc.CONFIG["prep_warps"])
+    out["scan_bf16_dots"] = stack_bytes(
+        kc._kda_chunk_scan_kernel, {**dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf),
+                                    **dict.fromkeys(["eglast", "h0", "ht"], f32), "o": bf, "T": "i32", "NT": "i32"},
+        dict(H=32, K=128, V=128, BT=kc.CONFIG["chunk"], BV=kc.CONFIG["scan_bv"], HAS_H0=True, STORE_HT=True,
+             PREC="tf32", BF16_DOTS=True, COMPILED=True), num_warps=kc.CONFIG["scan_warps"], num_stages=1)
     # the other decode grids at the configs of bench_kernels' DECODE_SWEEP: the largest spill of each
     # one program per head (BV = D), which normalises o in registers and shifts the taps without the counter
     out["decode_whole"] = max(
@@ -739,6 +759,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["mla_split_short_fp32"] == 0 and spills["mla_cache_append"] == 0, spills
     # measured trade-offs, see model/triton/kda_chunk.py: the 4-warp prep spills and is still the fastest
     assert spills["scan"] <= 16 and spills["prep"] <= 512, spills
+    assert spills["scan_bf16_dots"] == 0 and spills["prep_bf16_dots"] <= 512, spills
     assert spills["moe_router"] == 0, spills
     assert spills["conv"] == 0 and spills["moe_combine"] == 0 and spills["moe_dispatch"] == 0, spills
     assert spills["silu_mul"] == 0 and spills["kda_gate"] == 0, spills
@@ -760,9 +781,13 @@ def no_tf32():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 63), (1, 64), (1, 65), (1, 1000), (1, 8192), (1, 65536), (4, 2048),
                                  (64, 65)])
-def test_gpu_chunk_real_shapes(B, T, dtype, no_tf32):
+@pytest.mark.parametrize("dots", ["tf32", "bf16"])
+def test_gpu_chunk_real_shapes(B, T, dtype, no_tf32, dots):
+    """dots: both kernels' dot operands for bf16 inputs (CONFIG prep_dots, scan_dots); fp32 inputs ignore them."""
+    if dtype == "fp32" and dots == "bf16":
+        pytest.skip("fp32 inputs ignore the dots option")
     q, k, v, g, beta, h0 = kda_inputs(B, T, 32, 128, 128, "model", T, DTYPES[dtype])
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=dict(prep_dots=dots, scan_dots=dots))
     ro, rh = kda.chunk_kda(q, k, v, g, beta, initial_state=h0)
     tol = 1e-4 if dtype == "fp32" else 1e-2
     assert_close(o, ro, tol, "o vs torch chunk")

@@ -64,9 +64,20 @@ def test_conv_chunks_carry_taps():
     assert rel_err(torch.cat([y1, y2], 1), y) < 1e-6 and torch.equal(t2, taps)
 
 
+@pytest.mark.parametrize("cfg", [dict(BT=16, BC=64, num_warps=2), dict(BT=64, BC=256, num_warps=8)])
+def test_conv_tiles_are_a_launch_choice(cfg):
+    """The benchmark's sweep tiles (CONFIG keys): partial tiles in both dimensions, the same values."""
+    g = torch.Generator().manual_seed(1)
+    x, w, taps = torch.randn(1, 70, 300, generator=g), torch.randn(300, 4, generator=g), torch.randn(1, 3, 300, generator=g)
+    y = causal_conv1d(x, w, taps, cfg)[0]
+    assert torch.isfinite(y).all() and rel_err(y, kda.causal_conv1d(x, w, taps)[0]) < 1e-6
+
+
 def test_conv_rejects_wrong_shapes():
     with pytest.raises(ValueError, match="do not fit"):
         causal_conv1d(torch.randn(1, 4, 8), torch.randn(6, 4))
+    with pytest.raises(ValueError, match="unknown cfg keys"):
+        causal_conv1d(torch.randn(1, 4, 8), torch.randn(8, 4), cfg=dict(BM=4))
 
 
 @pytest.mark.gpu

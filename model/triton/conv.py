@@ -20,6 +20,10 @@ import model.triton as mt
 from model.triton.act import _silu_f32
 from model.kda import carried_taps
 
+# Launch config: rows (tokens) and channels per program, warps. bench_kernels' causal_conv1d case times the
+# tiles of CONV_SWEEP beside it (results.sweep).
+CONFIG = dict(BT=32, BC=128, num_warps=4)
+
 
 @triton.jit
 def _causal_conv1d_kernel(x, taps, w, y, T, C, stride_xb, stride_xt,
@@ -54,9 +58,10 @@ def _causal_conv1d_kernel(x, taps, w, y, T, C, stride_xb, stride_xt,
     tl.store(y_tile + r[:, None] * C + c[None, :], b_y, mask=(t < T)[:, None] & m_c[None, :])
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor | None = None):
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor | None = None, cfg: dict | None = None):
     """Same contract as `model.kda.causal_conv1d`: x [B, T, C] (any row strides, channels contiguous),
-    weight [C, W], taps [B, W-1, C] or None (zeros). Returns (y [B, T, C] in x's dtype, new taps)."""
+    weight [C, W], taps [B, W-1, C] or None (zeros). Returns (y [B, T, C] in x's dtype, new taps).
+    `cfg` overrides keys of CONFIG (for the benchmark's sweep)."""
     B, T, C = x.shape
     W = weight.shape[-1]
     if weight.shape != (C, W) or (taps is not None and taps.shape != (B, W - 1, C)):
@@ -68,9 +73,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor | No
     weight = weight.contiguous()
     taps = None if taps is None else taps.contiguous()
     y = mt.empty(B, T, C, dtype=x.dtype, device=x.device)
+    if set(cfg or {}) - set(CONFIG):
+        raise ValueError(f"causal_conv1d: unknown cfg keys {sorted(set(cfg) - set(CONFIG))}")
+    c = {**CONFIG, **(cfg or {})}
     if B * T * C:
-        BT, BC = 32, 128
+        BT, BC = c["BT"], c["BC"]
         _causal_conv1d_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](
             x, taps, weight, y, T, C, x.stride(0), x.stride(1), W=W, HAS_TAPS=taps is not None, BT=BT, BC=BC,
-            LIBDEVICE=x.is_cuda, num_warps=4)
+            LIBDEVICE=x.is_cuda, num_warps=c["num_warps"])
     return y, carried_taps(x, taps, W)  # the last W-1 inputs, carried to the next call: tiny, so torch

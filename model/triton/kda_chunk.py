@@ -23,6 +23,10 @@ each far below what the inputs already carry (bf16: relative 2^-9):
   so a span sum E <= 0 is off by at most 2^-11 |E| and its decay e^E by at most 2^-11 |E| e^E
   <= 2^-11 / e = 1.8e-4 (absolute, for a factor <= 1);
 - w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32.
+Two launch options (CONFIG prep_dots, scan_dots = "bf16") round more, as fla does: the dot operands rounded to
+bf16 (relative 2^-9 each) with fp32 accumulation, for the pair matrices Akk, Aqk and the products with T and Aqk
+in the prep kernel (the span sums of gates and the inverse stay tf32), and for S and v_new in the scan's dots
+(the state carried from chunk to chunk stays fp32).
 Chunk length, tiles and warps were picked by timing on the H200 (32 heads of 128, bf16; `bench_kernels
 --chunk-sweep`, prep and scan together, run of 57b6106): chunks of 32 with a 2-warp prep kernel, 1.446 ms at
 8192 tokens `d1ca4e4e` and 5.708 ms at 32768 `e9e0afa8`, against 1.991 / 7.773 ms for chunks of 64 with
@@ -45,8 +49,9 @@ import triton.language as tl
 import model.triton as mt
 
 # Launch config: the chunk length (BT, a power of two in [16, 64]), the prep kernel's column slice and warps, the
-# scan kernel's state columns per program and warps. See the module docstring for how they were picked.
-CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=8)
+# scan kernel's state columns per program and warps, and the dot operands of either kernel for bf16/fp16 inputs
+# (see "Precision"; fp32 inputs always take tf32x3). See the module docstring for how they were picked.
+CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=8, prep_dots="tf32", scan_dots="tf32")
 
 
 @triton.jit
@@ -68,7 +73,19 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
+def _bf16_dot(a, b, COMPILED: tl.constexpr):
+    """a @ b, both operands rounded to bf16 (to nearest even), fp32 accumulation, on tensor cores. Under the
+    interpreter, whose bf16 tl.dot is wrong in Triton 3.6: the same bf16 values as fp32 in an IEEE dot (the same
+    exact products, summed in another order)."""
+    if COMPILED:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(_rounded(a.to(tl.float32), tl.bfloat16).to(tl.float32),
+                  _rounded(b.to(tl.float32), tl.bfloat16).to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr, BF16_DOTS: tl.constexpr,
+                 COMPILED: tl.constexpr):
     """Partial sums (over this K slice) of sum_c k_t k_s exp(G_t - G_s) and the same with q_t, for the
     pairs (t, s) with t in the upper and s in the lower half of one 2*half-block of rows; zero elsewhere.
 
@@ -88,8 +105,12 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
     q_row = tl.where(upper[:, None], q_s * decay, 0.)
     k_col = tl.trans(tl.where(upper[:, None], 0., k_s * decay))
     pair = (r[:, None] // (2 * half)) == (c[None, :] // (2 * half))
-    A_kk = tl.where(pair, tl.dot(k_row, k_col, input_precision=PREC), 0.)
-    A_qk = tl.where(pair, tl.dot(q_row, k_col, input_precision=PREC), 0.)
+    if BF16_DOTS:
+        A_kk = tl.where(pair, _bf16_dot(k_row, k_col, COMPILED), 0.)
+        A_qk = tl.where(pair, _bf16_dot(q_row, k_col, COMPILED), 0.)
+    else:
+        A_kk = tl.where(pair, tl.dot(k_row, k_col, input_precision=PREC), 0.)
+        A_qk = tl.where(pair, tl.dot(q_row, k_col, input_precision=PREC), 0.)
     return A_kk, A_qk
 
 
@@ -97,7 +118,8 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr):
 def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                        LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
-                       S_Q: tl.constexpr, S_K: tl.constexpr, S_V: tl.constexpr, S_G: tl.constexpr):
+                       S_Q: tl.constexpr, S_K: tl.constexpr, S_V: tl.constexpr, S_G: tl.constexpr,
+                       BF16_DOTS: tl.constexpr, COMPILED: tl.constexpr):
     """Per-chunk, state-free part of chunked KDA. Grid (NT, B*H); one program = one chunk of one head.
 
     q, k, v, g are read as one row of H heads per token (heads packed, D contiguous) with the row strides
@@ -146,7 +168,7 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         ss_q += tl.sum(q_s * q_s, axis=1)
         ss_k += tl.sum(k_s * k_s, axis=1)
         for lvl in range(LOG2_BT):  # a loop, not unrolled: one level's tiles live at a time
-            A_kk, A_qk = _level_pairs(q_s, k_s, g_s, 1 << lvl, BT, PREC)
+            A_kk, A_qk = _level_pairs(q_s, k_s, g_s, 1 << lvl, BT, PREC, BF16_DOTS, COMPILED)
             Akk += A_kk
             Aqk += A_qk
         Aqk += tl.where(r[:, None] == c[None, :], tl.sum(q_s * k_s, axis=1)[:, None], 0.)
@@ -171,33 +193,45 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         k_s = _load_rows(k0 + kk, n_live, 0, S_K, BT, BK) * f_k[:, None]
         G = tl.cumsum(_load_rows(g0 + kk, n_live, 0, S_G, BT, BK), axis=0)  # g_1 + ... + g_t
         e_G = tl.exp(G)
-        b_w = tl.dot(Tm, k_s * (b_beta[:, None] * e_G), input_precision=PREC)
         out = r[:, None] * K + kk + cb[None, :]
-        tl.store(w + slab * K + out, _rounded(b_w, w.dtype.element_ty))
-        tl.store(qw + slab * K + out, _rounded(q_s * e_G - tl.dot(Aqk, b_w, input_precision=PREC), qw.dtype.element_ty))
+        if BF16_DOTS:
+            b_w = _bf16_dot(Tm, k_s * (b_beta[:, None] * e_G), COMPILED)
+            tl.store(w + slab * K + out, _rounded(b_w, w.dtype.element_ty))
+            tl.store(qw + slab * K + out, _rounded(q_s * e_G - _bf16_dot(Aqk, b_w, COMPILED), qw.dtype.element_ty))
+        else:
+            b_w = tl.dot(Tm, k_s * (b_beta[:, None] * e_G), input_precision=PREC)
+            tl.store(w + slab * K + out, _rounded(b_w, w.dtype.element_ty))
+            tl.store(qw + slab * K + out, _rounded(q_s * e_G - tl.dot(Aqk, b_w, input_precision=PREC),
+                                                   qw.dtype.element_ty))
         # g_{t+1} + ... + g_last, summed from the end (not G_last - G_t)
         to_end = tl.cumsum(_load_rows(g0 + kk, n_live, 1, S_G, BT, BK), axis=0, reverse=True)
         tl.store(kd + slab * K + out, _rounded(k_s * tl.exp(to_end), kd.dtype.element_ty))
         G_last = tl.sum(tl.where((r == BT - 1)[:, None], G, 0.), axis=0)  # padded rows add g = 0
         tl.store(eglast + (i_bh.to(tl.int64) * NT + i_t) * K + kk + cb, tl.exp(G_last))
     for vv in range(0, V, BK):
-        b_u = tl.dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None],
-                     input_precision=PREC)
+        if BF16_DOTS:
+            b_u = _bf16_dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None], COMPILED)
+            b_ou = _bf16_dot(Aqk, b_u, COMPILED)
+        else:
+            b_u = tl.dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None], input_precision=PREC)
+            b_ou = tl.dot(Aqk, b_u, input_precision=PREC)
         out = r[:, None] * V + vv + cb[None, :]
         tl.store(u + slab * V + out, _rounded(b_u, u.dtype.element_ty))
-        tl.store(ou + slab * V + out, _rounded(tl.dot(Aqk, b_u, input_precision=PREC), ou.dtype.element_ty))
+        tl.store(ou + slab * V + out, _rounded(b_ou, ou.dtype.element_ty))
 
 
 @triton.jit
 def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                       BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
+                       BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
+                       BF16_DOTS: tl.constexpr, COMPILED: tl.constexpr):
     """Inter-chunk recurrence and output. Grid (V // BV, B*H); one program = one head's V-block.
 
     The fp32 state block S [K, BV] stays in registers while the program walks the NT chunks in order;
     per chunk it reads the prep kernel's w, qw, kd [BT, K], u, ou [BT, BV] (fp32 or bf16) and eglast [K]:
         v_new = u - w S;   o = qw S + ou;   S <- eglast[:, None] * S + kd^T v_new
-    (three tl.dot per chunk). The final S is the final state.
+    (three dots per chunk: fp32 operands in PREC, or with BF16_DOTS, bf16 ones, `_bf16_dot`: S and v_new enter
+    them rounded to bf16, as in fla's scan; the carried S stays fp32). The final S is the final state.
     """
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -226,12 +260,19 @@ def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
     b_eg = tl.load(eglast + i_bh.to(tl.int64) * NT * K + ck)
     n = 0
     while n < NT:
-        v_new = b_u.to(tl.float32) - tl.dot(b_w.to(tl.float32), S, input_precision=PREC)
-        b_o = b_ou.to(tl.float32) + tl.dot(b_qw.to(tl.float32), S, input_precision=PREC)
+        if BF16_DOTS:
+            v_new = b_u.to(tl.float32) - _bf16_dot(b_w, S, COMPILED)
+            b_o = b_ou.to(tl.float32) + _bf16_dot(b_qw, S, COMPILED)
+        else:
+            v_new = b_u.to(tl.float32) - tl.dot(b_w.to(tl.float32), S, input_precision=PREC)
+            b_o = b_ou.to(tl.float32) + tl.dot(b_qw.to(tl.float32), S, input_precision=PREC)
         t = n * BT + r
         p_o = o + ((i_b.to(tl.int64) * T + n * BT) * H + i_h) * V + r[:, None] * (H * V) + cv[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
-        S = S * b_eg[:, None] + tl.dot(tl.trans(b_kd.to(tl.float32)), v_new, input_precision=PREC)
+        if BF16_DOTS:
+            S = S * b_eg[:, None] + _bf16_dot(tl.trans(b_kd), v_new, COMPILED)
+        else:
+            S = S * b_eg[:, None] + tl.dot(tl.trans(b_kd.to(tl.float32)), v_new, input_precision=PREC)
         nxt = tl.minimum(n + 1, NT - 1)
         slab = (i_bh.to(tl.int64) * NT + nxt) * BT
         b_w = tl.load(w + slab * K + k_off)
@@ -296,6 +337,9 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     BT = c["chunk"]
     if BT not in (16, 32, 64):
         raise ValueError(f"chunk_kda_fwd: cfg chunk must be 16, 32 or 64, got {BT!r}")
+    for key in ("prep_dots", "scan_dots"):
+        if c[key] not in ("tf32", "bf16"):
+            raise ValueError(f"chunk_kda_fwd: cfg {key} must be 'tf32' or 'bf16', got {c[key]!r}")
     mt.require_runnable(_kda_chunk_prep_kernel, q.device)
     scale = K ** -0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.to(device=q.device, dtype=torch.float32).contiguous()
@@ -320,9 +364,13 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     _kda_chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
                                      H=H, K=K, V=V, BT=BT, BK=min(c["slice"], K, V), LOG2_BT=BT.bit_length() - 1,
                                      L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
-                                     num_warps=c["prep_warps"])
+                                     BF16_DOTS=not exact and c["prep_dots"] == "bf16",
+                                     COMPILED=mt.compiled(_kda_chunk_prep_kernel), num_warps=c["prep_warps"])
     BV = min(V, c["scan_bv"])
     _kda_chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                                           H=H, K=K, V=V, BT=BT, BV=BV, HAS_H0=h0 is not None,
-                                          STORE_HT=ht is not None, PREC=prec, num_warps=c["scan_warps"], num_stages=1)
+                                          STORE_HT=ht is not None, PREC=prec,
+                                          BF16_DOTS=not exact and c["scan_dots"] == "bf16",
+                                          COMPILED=mt.compiled(_kda_chunk_scan_kernel),
+                                          num_warps=c["scan_warps"], num_stages=1)
     return o, ht
