@@ -35,6 +35,11 @@ the prep kernel's dots are a quarter the size and its levels five; the scan walk
 pair still costs less. At 1024 tokens the same order (0.197 against 0.265 ms, `98547fda`, `2e567ce7`). The
 prep kernel's register spills at the default stay under 512 B per thread and the scan kernel's under 16 B, the
 bounds tests/test_triton_kda.py holds them to (compiled offline with Triton's bundled ptxas).
+The bf16 dot operands (prep_dots, scan_dots, see "Precision") were timed in the sweep of feabbe1 at 8192
+tokens, one key at a time from the tf32 default above (1.441 ms `13b829a1`; fla 1.292 in the same run
+`e9b5044e`): the scan with bf16 dots 1.244 ms at 4 warps `5565f1f0` (1.353 at 8 `59808207`, 1.281 with 16
+columns `783d7feb`), the prep with bf16 dots 1.388 ms `31f08412`. Both are the default now; the pair together
+was not in that sweep, and the benchmark's default case times it.
 Measured and removed: a "blocked" prep (the pairs inside 16-row sub-blocks by a walk of decay products instead
 of the four small levels' tl.dots, their inverse by forward substitution) was slower at every length and
 config: 8192 tokens 2.81 ms at best `31edc9ae`, 3.24 ms at the default tiles `50b812e5`. The dots of the small
@@ -51,7 +56,7 @@ import model.triton as mt
 # Launch config: the chunk length (BT, a power of two in [16, 64]), the prep kernel's column slice and warps, the
 # scan kernel's state columns per program and warps, and the dot operands of either kernel for bf16/fp16 inputs
 # (see "Precision"; fp32 inputs always take tf32x3). See the module docstring for how they were picked.
-CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=8, prep_dots="tf32", scan_dots="tf32")
+CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=4, prep_dots="bf16", scan_dots="bf16")
 
 
 @triton.jit
