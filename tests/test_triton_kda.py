@@ -759,7 +759,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["mla_split_short_fp32"] == 0 and spills["mla_cache_append"] == 0, spills
     # measured trade-offs, see model/triton/kda_chunk.py: the 4-warp prep spills and is still the fastest
     assert spills["scan"] <= 16 and spills["prep"] <= 512, spills
-    # the fp32 path (tf32x3, fp32 operands) spills more: 792 and 1328 B at 4cd1f9b's defaults; it serves the
+    # the fp32 path (tf32x3, fp32 operands) spills more: 792 and 1328 B when these bounds were set; it serves the
     # exact gates, whose prompts are short, and is not tuned for speed
     assert spills["prep_fp32"] <= 1024 and spills["scan_fp32"] <= 1536, spills
     assert spills["moe_router"] == 0, spills
