@@ -783,13 +783,10 @@ def no_tf32():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 63), (1, 64), (1, 65), (1, 1000), (1, 8192), (1, 65536), (4, 2048),
                                  (64, 65)])
-@pytest.mark.parametrize("dots", ["tf32", "bf16"])
-def test_gpu_chunk_real_shapes(B, T, dtype, no_tf32, dots):
-    """dots: both kernels' dot operands for bf16 inputs (CONFIG prep_dots, scan_dots); fp32 inputs ignore them."""
-    if dtype == "fp32" and dots == "bf16":
-        pytest.skip("fp32 inputs ignore the dots option")
+def test_gpu_chunk_real_shapes(B, T, dtype, no_tf32, cfg=None):
+    """At the default config; `cfg` overrides it (test_gpu_chunk_tf32_dots)."""
     q, k, v, g, beta, h0 = kda_inputs(B, T, 32, 128, 128, "model", T, DTYPES[dtype])
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=dict(prep_dots=dots, scan_dots=dots))
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=cfg)
     ro, rh = kda.chunk_kda(q, k, v, g, beta, initial_state=h0)
     tol = 1e-4 if dtype == "fp32" else 1e-2
     assert_close(o, ro, tol, "o vs torch chunk")
@@ -798,6 +795,14 @@ def test_gpu_chunk_real_shapes(B, T, dtype, no_tf32, dots):
         no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
         assert_close(o, no, tol, "o vs fp64")
         assert_close(ht, nh, tol, "state vs fp64")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B,T", [(1, 65), (1, 8192), (4, 2048)])
+def test_gpu_chunk_tf32_dots(B, T, no_tf32):
+    """bf16 inputs with the other dot operands (CONFIG prep_dots, scan_dots = "tf32": fp32 operands in tf32)."""
+    test_gpu_chunk_real_shapes(B, T, "bf16", no_tf32, cfg=dict(prep_dots="tf32", scan_dots="tf32"))
 
 
 @pytest.mark.gpu
