@@ -450,6 +450,32 @@ def kernel_label(r: dict) -> str:
     return f"{name} {rest} {r['dtype'] or params.get('dtype', '')}".strip()
 
 
+def variant_keys(r: dict) -> set[str]:
+    """The parameter keys that name what ran, beyond the op: shape keys and variant keys alike."""
+    return {k for k in (r["params"] or {}) if k not in ("op", "kernel", "dtype", "cfg", "sweep")
+            and not k.endswith("_scope")}
+
+
+def superseded(latest: list[dict]) -> list[dict]:
+    """Records of an experiment variant that the newest run of the same op and GPU dropped: a record whose parameters
+    name a key (say `prep=blocked`) that no record of that newest run (the newest record's commit) carries. Shapes
+    are not variants: a newest record with the same keys and other values (T=1024 against T=8192) drops nothing."""
+    def op(r):
+        return (r["params"] or {}).get("op"), (r["params"] or {}).get("kernel"), get(r, "machine.gpu")
+
+    def run(r):
+        return get(r, "git.commit") or r["time"]
+
+    newest = {}
+    for r in sorted(latest, key=lambda r: r["time"]):
+        newest[op(r)] = r
+    keys = {}
+    for r in latest:
+        if run(r) == run(newest[op(r)]):
+            keys.setdefault(op(r), set()).update(variant_keys(r))
+    return [r for r in latest if run(r) != run(newest[op(r)]) and variant_keys(r) - keys[op(r)]]
+
+
 def kernels_section(kernels: list[dict], out: Path) -> Section:
     """The latest record per kernel shape. Sweep records (`params.sweep`: one per launch config tried, hundreds a
     run) are counted, not drawn: they are the evidence behind a default, cited where the default is set."""
@@ -464,6 +490,11 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
         return s
     latest = sorted(latest_by(kernels, lambda r: (kernel_label(r), get(r, "machine.gpu"))).values(),
                     key=lambda r: natural(kernel_label(r)))
+    old = superseded(latest)
+    if old:
+        s.blocks.append(f"{len(old)} kernel variant(s) superseded by later records of the same op are not drawn or "
+                        f"listed: " + ", ".join(f"{kernel_label(r)} ({short_id(r)})" for r in old) + ".")
+        latest = [r for r in latest if r not in old]
     labels = [kernel_label(r) for r in latest]
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(latest) + 1.5))
     y = range(len(latest))
@@ -471,7 +502,8 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
     ax.barh([i + 0.2 for i in y], [get(r, "results.peer_ms", 0) for r in latest], height=0.4,
             label="peer: " + ", ".join(sorted({str(get(r, "results.peer", "?")) for r in latest})))
     ax.set_yticks(list(y), labels, fontsize=7)
-    ax.set(xscale="log", xlabel="ms per call", title="kernel timings (latest per kernel and GPU)")
+    ax.set(xscale="log", xlabel="ms per call")
+    fig.suptitle("kernel timings (latest per kernel and GPU)", fontsize=10)
     ax.invert_yaxis()
     ax.legend(fontsize=7)
     s.blocks.append(Figure(save(fig, out, "kernels"), "kernel timings", cite(latest)))

@@ -278,6 +278,34 @@ def test_kernel_table_shows_graph_timings_and_the_config(tmp_path):
     assert rows["chunk_kda"][graph] == "—" and rows["chunk_kda"][table.header.index("config")] == "—"
 
 
+def test_superseded_kernel_variants_are_named_not_drawn(tmp_path):
+    """An experiment variant (a parameter key later runs of the op no longer carry) leaves the figure and table
+    with a note naming it; another shape of the same op, and an op measured once, stay."""
+    import time
+    from records import store
+    root = tmp_path / "rec"
+
+    def add(params, ms, commit):
+        r = store.make_record("kernel", preset=None, dtype="bfloat16", device="cuda", weights=None, params=params,
+                              results={"ours_ms": ms, "peer_ms": 1.3, "peer": "fla-0.6.0"})
+        r["git"] = {"commit": commit, "dirty": False}
+        store.append(r, root=root)
+        time.sleep(0.01)  # records order by time
+
+    add(dict(op="chunk_kda", T=8192, prep="level"), 2.0, "a" * 40)  # one experiment run: both variants go
+    add(dict(op="chunk_kda", T=8192, prep="blocked"), 2.8, "a" * 40)
+    add(dict(op="moe_prefill", T=8192), 3.3, "a" * 40)
+    add(dict(op="chunk_kda", T=1024), 0.2, "b" * 40)  # the newest run of chunk_kda: keys B, T only
+    add(dict(op="chunk_kda", T=8192), 1.19, "b" * 40)
+    sections = render.render(records_root=root, out=tmp_path / "out")
+    kern = next(s for s in sections if s.title.startswith("Kernel timings"))
+    table = next(b for b in kern.blocks if isinstance(b, render.Table))
+    labels = [row[0] for row in table.rows]
+    assert labels == ["chunk_kda T=1024 bfloat16", "chunk_kda T=8192 bfloat16", "moe_prefill T=8192 bfloat16"]
+    note = next(b for b in kern.blocks if isinstance(b, str) and "superseded" in b)
+    assert note.startswith("2 kernel variant(s)") and "prep=blocked" in note and "prep=level" in note
+
+
 def test_noise_floor_cell_reads_gate_a_control():
     from reports.render import noise_cell
     r = {"results": {"per_prompt": [
