@@ -16,17 +16,17 @@ Two kernels, both per (batch, head):
 
 Precision. Decays are only ever formed as exp of a non-positive sum of the gates a span covers (see
 `_level_pairs`), never as a difference of long prefix sums, so gates near 0, at -5 or at -1000 neither
-overflow nor lose digits. Matmuls run on tensor cores with fp32 operands: `tf32x3` (about fp32
-accuracy) for fp32 inputs, `tf32` for bf16/fp16 inputs. For bf16/fp16 inputs two roundings are added,
-each far below what the inputs already carry (bf16: relative 2^-9):
+overflow nor lose digits. Matmuls run on tensor cores. fp32 inputs take fp32 operands in `tf32x3` (about fp32
+accuracy) throughout. bf16/fp16 inputs add roundings, each of the order of what the inputs already carry (bf16:
+relative 2^-9):
 - the span sums of gates are one tf32 dot: each gate rounded to relative 2^-11, all terms of one sign,
   so a span sum E <= 0 is off by at most 2^-11 |E| and its decay e^E by at most 2^-11 |E| e^E
-  <= 2^-11 / e = 1.8e-4 (absolute, for a factor <= 1);
-- w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32.
-Two launch options (CONFIG prep_dots, scan_dots = "bf16") round more, as fla does: the dot operands rounded to
-bf16 (relative 2^-9 each) with fp32 accumulation, for the pair matrices Akk, Aqk and the products with T and Aqk
-in the prep kernel (the span sums of gates and the inverse stay tf32), and for S and v_new in the scan's dots
-(the state carried from chunk to chunk stays fp32).
+  <= 2^-11 / e = 1.8e-4 (absolute, for a factor <= 1); the inverse T = (I + Akk)^-1 is also formed in tf32;
+- w, qw, kd, u, ou are stored as bf16 (relative 2^-9, as fla stores w and u); the state stays fp32;
+- the other dots take bf16 operands (relative 2^-9 each) with fp32 accumulation, as fla's do: in the prep
+  kernel the pair matrices Akk, Aqk and the products with T and Aqk, in the scan S and v_new (the state carried
+  from chunk to chunk stays fp32). CONFIG prep_dots / scan_dots = "tf32" give them fp32 operands in tf32
+  instead; tests/test_triton_kda.py holds both to the same tolerances against fp64.
 Chunk length, tiles and warps were picked by timing on the H200 (32 heads of 128, bf16; `bench_kernels
 --chunk-sweep`, prep and scan together, run of 57b6106): chunks of 32 with a 2-warp prep kernel, 1.446 ms at
 8192 tokens `d1ca4e4e` and 5.708 ms at 32768 `e9e0afa8`, against 1.991 / 7.773 ms for chunks of 64 with
