@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine]
         [--chunk-T 1024,8192,32768] [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
+        [--chunk-sweep] [--decode-sweep] [--conv-sweep]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
     python -m benchmarks.bench_kernels --ops mla_decode_layout [--mla-T 1056,8192]
     python -m benchmarks.bench_kernels --ops mla_absorb
@@ -516,36 +517,45 @@ def mla_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     return res, reasons
 
 
-# causal_conv1d: tiles timed beside the default (results.sweep), each held to torch's bits
-CONV_SWEEP = [dict(BT=32, BC=64, num_warps=2), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=128, num_warps=4),
-              dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=4), dict(BT=64, BC=64, num_warps=4),
-              dict(BT=16, BC=256, num_warps=4), dict(BT=32, BC=128, num_warps=8)]
-
-
 def conv_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     from model import kda
     from model.triton.conv import CONFIG, causal_conv1d
+    x, w, taps = conv_inputs(T)
+    y, ref = causal_conv1d(x, w, taps)[0], kda.causal_conv1d(x, w, taps)[0]
+    res = {"ours_ms": gpu_ms(lambda: causal_conv1d(x, w, taps), rep_ms),
+           "peer_ms": gpu_ms(lambda: kda.causal_conv1d(x, w, taps), rep_ms), "rel_err_vs_peer": rel_err(y, ref),
+           "bits_differing": int((y != ref).sum()), "peer": f"torch-{torch.__version__}", "cfg": dict(CONFIG)}
+    return res, [] if res["bits_differing"] == 0 else [f"{res['bits_differing']} output elements differ from torch's"]
+
+
+def conv_inputs(T: int):
+    """x [1, T, 3*H*D], the conv weight and carried taps at the 48B's shapes, in DTYPE on the GPU."""
     gen = torch.Generator().manual_seed(T)
     C = 3 * H * D
     x = torch.randn(1, T, C, generator=gen).cuda().to(DTYPE)
     w = (0.5 * torch.randn(C, W, generator=gen)).cuda().to(DTYPE)
     taps = torch.randn(1, W - 1, C, generator=gen).cuda().to(DTYPE)
-    y, ref = causal_conv1d(x, w, taps)[0], kda.causal_conv1d(x, w, taps)[0]
-    res = {"ours_ms": gpu_ms(lambda: causal_conv1d(x, w, taps), rep_ms),
-           "peer_ms": gpu_ms(lambda: kda.causal_conv1d(x, w, taps), rep_ms), "rel_err_vs_peer": rel_err(y, ref),
-           "bits_differing": int((y != ref).sum()), "peer": f"torch-{torch.__version__}", "cfg": dict(CONFIG),
-           "sweep": []}
-    for cfg in CONV_SWEEP:
-        try:
-            y_c = causal_conv1d(x, w, taps, cfg)[0]
-            res["sweep"].append({"cfg": cfg, "ms": gpu_ms(lambda: causal_conv1d(x, w, taps, cfg), rep_ms),
-                                 "bits_differing": int((y_c != ref).sum())})
-        except Exception as e:  # a config that does not compile or launch is reported, not fatal
-            res["sweep"].append({"cfg": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-    log("  causal_conv1d sweep: " + ", ".join(f"{c['cfg']['BT']}x{c['cfg']['BC']}/{c['cfg']['num_warps']}w "
-                                              f"{c.get('ms', float('nan')):.4f} ms ({c.get('bits_differing')} bits)"
-                                              for c in res["sweep"]))
-    return res, [] if res["bits_differing"] == 0 else [f"{res['bits_differing']} output elements differ from torch's"]
+    return x, w, taps
+
+
+# model.triton.conv's tiles (tokens x channels per program, warps) around the default; each must give the default's
+# bits (which are torch's, conv_case checks), so the tolerance is 0
+CONV_SWEEP = [dict(BT=32, BC=64, num_warps=2), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=128, num_warps=4),
+              dict(BT=32, BC=128, num_warps=4), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=4),
+              dict(BT=64, BC=64, num_warps=4), dict(BT=16, BC=256, num_warps=4), dict(BT=32, BC=128, num_warps=8)]
+
+
+def conv_sweep(T: int, rep_ms: int, device: str = "cuda") -> list[dict]:
+    """The prefill conv at each tile config of CONV_SWEEP (do_bench). One record per config."""
+    from model.triton.conv import CONFIG, causal_conv1d
+    x, w, taps = conv_inputs(T)
+
+    def run(cfg):
+        return causal_conv1d(x, w, taps, cfg)[:1]
+
+    params = {"op": "causal_conv1d", "B": 1, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
+    return sweep(f"causal_conv1d T={T}", CONV_SWEEP, CONFIG, run,
+                 lambda cfg: {"ours_ms": gpu_ms(lambda: run(cfg), rep_ms), "timing": "do_bench"}, 0.0, params, device)
 
 
 def combine_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
@@ -871,6 +881,8 @@ def main(argv=None) -> None:
                     help="kda_decode_step: also time every config of DECODE_SWEEP (CUDA-graph timing)")
     ap.add_argument("--chunk-sweep", action="store_true",
                     help="chunk_kda: also time every config of CHUNK_SWEEP at each --chunk-T")
+    ap.add_argument("--conv-sweep", action="store_true",
+                    help="causal_conv1d: also time every tile config of CONV_SWEEP at each --prefill-T")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
@@ -899,6 +911,9 @@ def main(argv=None) -> None:
     recs += [run_case(op, 1, int(T), None, None, args.rep_ms)
              for T in args.prefill_T.split(",") if T for op in TORCH_PEER_CASES if op in ops]
     summarize(recs)
+    if args.conv_sweep and "causal_conv1d" in ops:
+        for T in (int(t) for t in args.prefill_T.split(",") if t):
+            conv_sweep(T, args.rep_ms)
     if "mla_absorb" in ops:
         mla_absorb_sweep()
     if "mla_decode_layout" in ops:

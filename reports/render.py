@@ -484,7 +484,7 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
     kernels = [r for r in kernels if not get(r, "params.sweep")]
     if sweeps:
         s.blocks.append(f"{len(sweeps)} launch-config sweep record(s) are not drawn (see `bench_kernels --moe-sweep`, "
-                        f"`--decode-sweep` and `--chunk-sweep`; the defaults cite them).")
+                        f"`--decode-sweep`, `--chunk-sweep` and `--conv-sweep`; the defaults cite them).")
     if not kernels:
         s.blocks.append(NO_RECORDS)
         return s

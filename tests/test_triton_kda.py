@@ -132,13 +132,20 @@ def run_decode(inp, **kw):
 # ---- chunked prefill ----------------------------------------------------------------------------
 
 @settings(max_examples=20)
-@example(T=1, B=1, K=16, V=16, regime="minus1000", with_state=True, dtype="fp32", seed=0, prep_dots="bf16", scan_dots="bf16")
-@example(T=63, B=2, K=32, V=16, regime="minus5", with_state=True, dtype="fp32", seed=1, prep_dots="bf16", scan_dots="bf16")
-@example(T=65, B=1, K=16, V=32, regime="near0", with_state=True, dtype="bf16", seed=2, prep_dots="bf16", scan_dots="bf16")
-@example(T=65, B=1, K=16, V=32, regime="near0", with_state=True, dtype="bf16", seed=2, prep_dots="tf32", scan_dots="tf32")
-@example(T=33, B=1, K=32, V=16, regime="spikes", with_state=True, dtype="fp32", seed=5, prep_dots="bf16", scan_dots="bf16")
-@example(T=130, B=1, K=32, V=32, regime="mixed", with_state=True, dtype="fp32", seed=3, prep_dots="bf16", scan_dots="bf16")
-@example(T=130, B=2, K=32, V=32, regime="spikes", with_state=False, dtype="fp32", seed=4, prep_dots="bf16", scan_dots="bf16")
+@example(T=1, B=1, K=16, V=16, regime="minus1000", with_state=True, dtype="fp32",
+         seed=0, prep_dots="bf16", scan_dots="bf16")
+@example(T=63, B=2, K=32, V=16, regime="minus5", with_state=True, dtype="fp32",
+         seed=1, prep_dots="bf16", scan_dots="bf16")
+@example(T=65, B=1, K=16, V=32, regime="near0", with_state=True, dtype="bf16",
+         seed=2, prep_dots="bf16", scan_dots="bf16")
+@example(T=65, B=1, K=16, V=32, regime="near0", with_state=True, dtype="bf16",
+         seed=2, prep_dots="tf32", scan_dots="tf32")
+@example(T=33, B=1, K=32, V=16, regime="spikes", with_state=True, dtype="fp32",
+         seed=5, prep_dots="bf16", scan_dots="bf16")
+@example(T=130, B=1, K=32, V=32, regime="mixed", with_state=True, dtype="fp32",
+         seed=3, prep_dots="bf16", scan_dots="bf16")
+@example(T=130, B=2, K=32, V=32, regime="spikes", with_state=False, dtype="fp32",
+         seed=4, prep_dots="bf16", scan_dots="bf16")
 @given(T=st.sampled_from([1, 2, 17, 31, 32, 33, 63, 64, 65, 100, 128, 130]), B=st.integers(1, 2),
        K=st.sampled_from([16, 32]), V=st.sampled_from([16, 32]), regime=st.sampled_from(REGIMES),
        with_state=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), seed=st.integers(0, 2**16),
@@ -568,23 +575,30 @@ def sm90_spills() -> dict:
         return int(usage.split("STACK:")[1].split()[0])
 
     bf, f32 = "*bf16", "*fp32"
+    c = kc.CONFIG
+
+    def chunk_prep(io, prec, bf16_dots):
+        """The chunk prep kernel at the default tiles, q/k/v and its outputs of pointer type io (g fp32 or io)."""
+        return stack_bytes(kc._kda_chunk_prep_kernel,
+                           {**dict.fromkeys("qkv", io), "g": f32, "beta": io,
+                            **dict.fromkeys(["w", "qw", "kd", "u", "ou"], io), "eglast": f32,
+                            "T": "i32", "NT": "i32", "scale": "fp32"},
+                           dict(H=32, K=128, V=128, BT=c["chunk"], BK=c["slice"], LOG2_BT=c["chunk"].bit_length() - 1,
+                                L2NORM=True, PREC=prec, S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128,
+                                S_G=32 * 128, BF16_DOTS=bf16_dots, COMPILED=True), num_warps=c["prep_warps"])
+
+    def chunk_scan(io, prec, bf16_dots):
+        return stack_bytes(kc._kda_chunk_scan_kernel,
+                           {**dict.fromkeys(["w", "qw", "kd", "u", "ou", "o"], io),
+                            **dict.fromkeys(["eglast", "h0", "ht"], f32), "T": "i32", "NT": "i32"},
+                           dict(H=32, K=128, V=128, BT=c["chunk"], BV=c["scan_bv"], HAS_H0=True, STORE_HT=True,
+                                PREC=prec, BF16_DOTS=bf16_dots, COMPILED=True), num_warps=c["scan_warps"], num_stages=1)
+
     decode_sig = {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf), "A_log": f32, "dt_bias": f32, "b_raw": bf,
                   "state": f32, "o": bf, "out_gate": bf, "norm_w": bf}
     out = {
-        "prep": stack_bytes(kc._kda_chunk_prep_kernel, {**dict.fromkeys("qkv", bf), "g": f32, "beta": bf,
-                                                    **dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf), "eglast": f32,
-                                                    "T": "i32", "NT": "i32", "scale": "fp32"},
-                            dict(H=32, K=128, V=128, BT=kc.CONFIG["chunk"], BK=kc.CONFIG["slice"],
-                                 LOG2_BT=kc.CONFIG["chunk"].bit_length() - 1,
-                                 L2NORM=True, PREC="tf32", S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128,
-                                 S_G=32 * 128, BF16_DOTS=kc.CONFIG["prep_dots"] == "bf16", COMPILED=True),
-                            num_warps=kc.CONFIG["prep_warps"]),
-        "scan": stack_bytes(kc._kda_chunk_scan_kernel, {**dict.fromkeys(["w", "qw", "kd", "u", "ou"], bf),
-                                                    **dict.fromkeys(["eglast", "h0", "ht"], f32), "o": bf,
-                                                    "T": "i32", "NT": "i32"},
-                            dict(H=32, K=128, V=128, BT=kc.CONFIG["chunk"], BV=kc.CONFIG["scan_bv"], HAS_H0=True,
-                                 STORE_HT=True, PREC="tf32", BF16_DOTS=kc.CONFIG["scan_dots"] == "bf16",
-                                 COMPILED=True), num_warps=kc.CONFIG["scan_warps"], num_stages=1),
+        "prep": chunk_prep(bf, "tf32", kc.CONFIG["prep_dots"] == "bf16"),
+        "scan": chunk_scan(bf, "tf32", kc.CONFIG["scan_dots"] == "bf16"),
         "decode": stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32",
                                                       "eps": "fp32"},
                               dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False),
@@ -595,18 +609,7 @@ def sm90_spills() -> dict:
                             dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False), num_warps=8),
     }
     # both kernels for fp32 inputs (tf32x3 dots, fp32 operands stored; Gate A's path on CUDA), at the default's tiles
-    out["prep_fp32"] = stack_bytes(
-        kc._kda_chunk_prep_kernel, {**dict.fromkeys("qkvg", f32), "beta": f32,
-                                    **dict.fromkeys(["w", "qw", "kd", "u", "ou", "eglast"], f32),
-                                    "T": "i32", "NT": "i32", "scale": "fp32"},
-        dict(H=32, K=128, V=128, BT=kc.CONFIG["chunk"], BK=kc.CONFIG["slice"], LOG2_BT=kc.CONFIG["chunk"].bit_length() - 1,
-             L2NORM=True, PREC="tf32x3", S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128, S_G=32 * 128,
-             BF16_DOTS=False, COMPILED=True), num_warps=kc.CONFIG["prep_warps"])
-    out["scan_fp32"] = stack_bytes(
-        kc._kda_chunk_scan_kernel, {**dict.fromkeys(["w", "qw", "kd", "u", "ou", "eglast", "h0", "ht", "o"], f32),
-                                    "T": "i32", "NT": "i32"},
-        dict(H=32, K=128, V=128, BT=kc.CONFIG["chunk"], BV=kc.CONFIG["scan_bv"], HAS_H0=True, STORE_HT=True,
-             PREC="tf32x3", BF16_DOTS=False, COMPILED=True), num_warps=kc.CONFIG["scan_warps"], num_stages=1)
+    out["prep_fp32"], out["scan_fp32"] = chunk_prep(f32, "tf32x3", False), chunk_scan(f32, "tf32x3", False)
     # the other decode grids at the configs of bench_kernels' DECODE_SWEEP: the largest spill of each
     # one program per head (BV = D), which normalises o in registers and shifts the taps without the counter
     out["decode_whole"] = max(
@@ -783,8 +786,13 @@ def no_tf32():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 63), (1, 64), (1, 65), (1, 1000), (1, 8192), (1, 65536), (4, 2048),
                                  (64, 65)])
-def test_gpu_chunk_real_shapes(B, T, dtype, no_tf32, cfg=None):
-    """At the default config; `cfg` overrides it (test_gpu_chunk_tf32_dots)."""
+def test_gpu_chunk_real_shapes(B, T, dtype, no_tf32):
+    check_chunk_real_shapes(B, T, dtype)
+
+
+def check_chunk_real_shapes(B, T, dtype, cfg=None):
+    """Ours at 32 heads of 128 against the torch chunked form and (up to 8192 tokens) fp64; `cfg` overrides
+    CONFIG."""
     q, k, v, g, beta, h0 = kda_inputs(B, T, 32, 128, 128, "model", T, DTYPES[dtype])
     o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=cfg)
     ro, rh = kda.chunk_kda(q, k, v, g, beta, initial_state=h0)
@@ -802,7 +810,7 @@ def test_gpu_chunk_real_shapes(B, T, dtype, no_tf32, cfg=None):
 @pytest.mark.parametrize("B,T", [(1, 65), (1, 8192), (4, 2048)])
 def test_gpu_chunk_tf32_dots(B, T, no_tf32):
     """bf16 inputs with the other dot operands (CONFIG prep_dots, scan_dots = "tf32": fp32 operands in tf32)."""
-    test_gpu_chunk_real_shapes(B, T, "bf16", no_tf32, cfg=dict(prep_dots="tf32", scan_dots="tf32"))
+    check_chunk_real_shapes(B, T, "bf16", cfg=dict(prep_dots="tf32", scan_dots="tf32"))
 
 
 @pytest.mark.gpu

@@ -49,6 +49,15 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def launch_config(name: str, defaults: dict, cfg: dict | None) -> dict:
+    """A kernel's launch config: its module's defaults with `cfg`'s overrides (a benchmark sweep's); an unknown key
+    is an error, not a silent no-op."""
+    unknown = sorted(set(cfg or {}) - set(defaults))
+    if unknown:
+        raise ValueError(f"{name}: unknown cfg keys {unknown}")
+    return {**defaults, **(cfg or {})}
+
+
 def compiled(kernel) -> bool:
     """Whether Triton compiles `kernel` (for the GPU) rather than interpreting it (TRITON_INTERPRET=1)."""
     return type(kernel).__name__ != "InterpretedFunction"

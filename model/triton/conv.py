@@ -20,9 +20,10 @@ import model.triton as mt
 from model.triton.act import _silu_f32
 from model.kda import carried_taps
 
-# Launch config: rows (tokens) and channels per program, warps. bench_kernels' causal_conv1d case times the
-# tiles of CONV_SWEEP beside it (results.sweep): at 8192 tokens of 12288 channels, 16 x 128 on 4 warps took
-# 0.2125 ms against 0.2230 for the 32 x 128 used before, 32 x 64 0.2130, the rest 0.227 to 0.359 (record 3af1c7b0).
+# Launch config: rows (tokens) and channels per program, warps; `bench_kernels --conv-sweep` times the tiles of
+# CONV_SWEEP. Picked from the sweep in record 3af1c7b0 (then kept in that record's results.sweep): at 8192 tokens of
+# 12288 channels, 16 x 128 on 4 warps took 0.2125 ms against 0.2230 for the 32 x 128 used before, 32 x 64 0.2130,
+# the rest 0.227 to 0.359, every tile with torch's bits.
 CONFIG = dict(BT=16, BC=128, num_warps=4)
 
 
@@ -73,10 +74,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor | No
         x = x.contiguous()
     weight = weight.contiguous()
     taps = None if taps is None else taps.contiguous()
+    c = mt.launch_config("causal_conv1d", CONFIG, cfg)
     y = mt.empty(B, T, C, dtype=x.dtype, device=x.device)
-    if set(cfg or {}) - set(CONFIG):
-        raise ValueError(f"causal_conv1d: unknown cfg keys {sorted(set(cfg) - set(CONFIG))}")
-    c = {**CONFIG, **(cfg or {})}
     if B * T * C:
         BT, BC = c["BT"], c["BC"]
         _causal_conv1d_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](

@@ -78,14 +78,16 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _bf16_dot(a, b, COMPILED: tl.constexpr):
-    """a @ b, both operands rounded to bf16 (to nearest even), fp32 accumulation, on tensor cores. Under the
-    interpreter, whose bf16 tl.dot is wrong in Triton 3.6: the same bf16 values as fp32 in an IEEE dot (the same
-    exact products, summed in another order)."""
-    if COMPILED:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return tl.dot(_rounded(a.to(tl.float32), tl.bfloat16).to(tl.float32),
-                  _rounded(b.to(tl.float32), tl.bfloat16).to(tl.float32), input_precision="ieee")
+def _dot(a, b, PREC: tl.constexpr, BF16_DOTS: tl.constexpr, COMPILED: tl.constexpr):
+    """a @ b with fp32 accumulation on tensor cores (see "Precision"). BF16_DOTS: both operands rounded to bf16 (to
+    nearest even); under the interpreter, whose bf16 tl.dot is wrong in Triton 3.6, the same bf16 values as fp32 in
+    an IEEE dot (the same exact products, summed in another order). Else fp32 operands in PREC."""
+    if BF16_DOTS:
+        if COMPILED:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        return tl.dot(_rounded(a.to(tl.float32), tl.bfloat16).to(tl.float32),
+                      _rounded(b.to(tl.float32), tl.bfloat16).to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
 
 @triton.jit
@@ -110,12 +112,8 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr, BF16
     q_row = tl.where(upper[:, None], q_s * decay, 0.)
     k_col = tl.trans(tl.where(upper[:, None], 0., k_s * decay))
     pair = (r[:, None] // (2 * half)) == (c[None, :] // (2 * half))
-    if BF16_DOTS:
-        A_kk = tl.where(pair, _bf16_dot(k_row, k_col, COMPILED), 0.)
-        A_qk = tl.where(pair, _bf16_dot(q_row, k_col, COMPILED), 0.)
-    else:
-        A_kk = tl.where(pair, tl.dot(k_row, k_col, input_precision=PREC), 0.)
-        A_qk = tl.where(pair, tl.dot(q_row, k_col, input_precision=PREC), 0.)
+    A_kk = tl.where(pair, _dot(k_row, k_col, PREC, BF16_DOTS, COMPILED), 0.)
+    A_qk = tl.where(pair, _dot(q_row, k_col, PREC, BF16_DOTS, COMPILED), 0.)
     return A_kk, A_qk
 
 
@@ -199,30 +197,20 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         G = tl.cumsum(_load_rows(g0 + kk, n_live, 0, S_G, BT, BK), axis=0)  # g_1 + ... + g_t
         e_G = tl.exp(G)
         out = r[:, None] * K + kk + cb[None, :]
-        if BF16_DOTS:
-            b_w = _bf16_dot(Tm, k_s * (b_beta[:, None] * e_G), COMPILED)
-            tl.store(w + slab * K + out, _rounded(b_w, w.dtype.element_ty))
-            tl.store(qw + slab * K + out, _rounded(q_s * e_G - _bf16_dot(Aqk, b_w, COMPILED), qw.dtype.element_ty))
-        else:
-            b_w = tl.dot(Tm, k_s * (b_beta[:, None] * e_G), input_precision=PREC)
-            tl.store(w + slab * K + out, _rounded(b_w, w.dtype.element_ty))
-            tl.store(qw + slab * K + out, _rounded(q_s * e_G - tl.dot(Aqk, b_w, input_precision=PREC),
-                                                   qw.dtype.element_ty))
+        b_w = _dot(Tm, k_s * (b_beta[:, None] * e_G), PREC, BF16_DOTS, COMPILED)
+        tl.store(w + slab * K + out, _rounded(b_w, w.dtype.element_ty))
+        tl.store(qw + slab * K + out,
+                 _rounded(q_s * e_G - _dot(Aqk, b_w, PREC, BF16_DOTS, COMPILED), qw.dtype.element_ty))
         # g_{t+1} + ... + g_last, summed from the end (not G_last - G_t)
         to_end = tl.cumsum(_load_rows(g0 + kk, n_live, 1, S_G, BT, BK), axis=0, reverse=True)
         tl.store(kd + slab * K + out, _rounded(k_s * tl.exp(to_end), kd.dtype.element_ty))
         G_last = tl.sum(tl.where((r == BT - 1)[:, None], G, 0.), axis=0)  # padded rows add g = 0
         tl.store(eglast + (i_bh.to(tl.int64) * NT + i_t) * K + kk + cb, tl.exp(G_last))
     for vv in range(0, V, BK):
-        if BF16_DOTS:
-            b_u = _bf16_dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None], COMPILED)
-            b_ou = _bf16_dot(Aqk, b_u, COMPILED)
-        else:
-            b_u = tl.dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None], input_precision=PREC)
-            b_ou = tl.dot(Aqk, b_u, input_precision=PREC)
+        b_u = _dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None], PREC, BF16_DOTS, COMPILED)
         out = r[:, None] * V + vv + cb[None, :]
         tl.store(u + slab * V + out, _rounded(b_u, u.dtype.element_ty))
-        tl.store(ou + slab * V + out, _rounded(b_ou, ou.dtype.element_ty))
+        tl.store(ou + slab * V + out, _rounded(_dot(Aqk, b_u, PREC, BF16_DOTS, COMPILED), ou.dtype.element_ty))
 
 
 @triton.jit
@@ -235,8 +223,8 @@ def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
     The fp32 state block S [K, BV] stays in registers while the program walks the NT chunks in order;
     per chunk it reads the prep kernel's w, qw, kd [BT, K], u, ou [BT, BV] (fp32 or bf16) and eglast [K]:
         v_new = u - w S;   o = qw S + ou;   S <- eglast[:, None] * S + kd^T v_new
-    (three dots per chunk: fp32 operands in PREC, or with BF16_DOTS, bf16 ones, `_bf16_dot`: S and v_new enter
-    them rounded to bf16, as in fla's scan; the carried S stays fp32). The final S is the final state.
+    (three dots per chunk, `_dot`: with BF16_DOTS, S and v_new enter them rounded to bf16, as in fla's scan; the
+    carried S stays fp32). The final S is the final state.
     """
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -265,19 +253,12 @@ def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
     b_eg = tl.load(eglast + i_bh.to(tl.int64) * NT * K + ck)
     n = 0
     while n < NT:
-        if BF16_DOTS:
-            v_new = b_u.to(tl.float32) - _bf16_dot(b_w, S, COMPILED)
-            b_o = b_ou.to(tl.float32) + _bf16_dot(b_qw, S, COMPILED)
-        else:
-            v_new = b_u.to(tl.float32) - tl.dot(b_w.to(tl.float32), S, input_precision=PREC)
-            b_o = b_ou.to(tl.float32) + tl.dot(b_qw.to(tl.float32), S, input_precision=PREC)
+        v_new = b_u.to(tl.float32) - _dot(b_w, S, PREC, BF16_DOTS, COMPILED)
+        b_o = b_ou.to(tl.float32) + _dot(b_qw, S, PREC, BF16_DOTS, COMPILED)
         t = n * BT + r
         p_o = o + ((i_b.to(tl.int64) * T + n * BT) * H + i_h) * V + r[:, None] * (H * V) + cv[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
-        if BF16_DOTS:
-            S = S * b_eg[:, None] + _bf16_dot(tl.trans(b_kd), v_new, COMPILED)
-        else:
-            S = S * b_eg[:, None] + tl.dot(tl.trans(b_kd.to(tl.float32)), v_new, input_precision=PREC)
+        S = S * b_eg[:, None] + _dot(tl.trans(b_kd), v_new, PREC, BF16_DOTS, COMPILED)
         nxt = tl.minimum(n + 1, NT - 1)
         slab = (i_bh.to(tl.int64) * NT + nxt) * BT
         b_w = tl.load(w + slab * K + k_off)
@@ -336,9 +317,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         raise ValueError(f"chunk_kda_fwd: initial_state must be [B, H, K, V] = {(B, H, K, V)}, "
                          f"got {tuple(initial_state.shape)}")
-    if set(cfg or {}) - set(CONFIG):
-        raise ValueError(f"chunk_kda_fwd: unknown cfg keys {sorted(set(cfg) - set(CONFIG))}")
-    c = {**CONFIG, **(cfg or {})}
+    c = mt.launch_config("chunk_kda_fwd", CONFIG, cfg)
     BT = c["chunk"]
     if BT not in (16, 32, 64):
         raise ValueError(f"chunk_kda_fwd: cfg chunk must be 16, 32 or 64, got {BT!r}")

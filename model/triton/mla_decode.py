@@ -144,10 +144,6 @@ def _mla_decode_combine_kernel(o_part, m_part, l_part, pos_ptr, out, SPLIT: tl.c
     tl.store(out + (i_b * H + i_h) * R + r, acc / denom, mask=r < R)
 
 
-def _compiled() -> bool:
-    return mt.compiled(_mla_decode_split_kernel)
-
-
 def _pad(n: int) -> int:
     return max(16, triton.next_power_of_2(n))   # tl.dot needs every dimension >= 16
 
@@ -218,7 +214,7 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads
         q_pe.stride(0), q_pe.stride(1), c.stride(0), c.stride(1), k_pe.stride(0), k_pe.stride(1),
         H=H, R=R, P=P, HG=heads, HP=_pad(heads), RP=RP, PP=_pad(P), SPLIT=split,
         BL=step if c.dtype == torch.bfloat16 else _BL_FP32, BF16=c.dtype == torch.bfloat16,
-        MMA=_compiled(), num_warps=_WARPS)
+        MMA=mt.compiled(_mla_decode_split_kernel), num_warps=_WARPS)
     BR = min(RP, 128)
     nsp = triton.next_power_of_2(ns)
     _mla_decode_combine_kernel[(B, H, triton.cdiv(R, BR))](o_part, m_part, l_part, pos, out, SPLIT=split, NS=ns,
@@ -299,5 +295,6 @@ def mla_absorb(x, w, cfg: dict | None = None):
     BN = min(_pad(N), c["BN"])
     _absorb_kernel[(H, triton.cdiv(N, BN))](x, w, out, B, x.stride(0), x.stride(1), *w.stride(), K=K, N=N,
                                           BP=_pad(B), BK=min(_pad(K), c["BK"]), BN=BN,
-                                          BF16=w.dtype == torch.bfloat16, MMA=_compiled(), num_warps=c["num_warps"])
+                                          BF16=w.dtype == torch.bfloat16, MMA=mt.compiled(_absorb_kernel),
+                                          num_warps=c["num_warps"])
     return out
