@@ -528,13 +528,13 @@ def conv_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     return res, [] if res["bits_differing"] == 0 else [f"{res['bits_differing']} output elements differ from torch's"]
 
 
-def conv_inputs(T: int):
-    """x [1, T, 3*H*D], the conv weight and carried taps at the 48B's shapes, in DTYPE on the GPU."""
+def conv_inputs(T: int, device: str = "cuda"):
+    """x [1, T, 3*H*D], the conv weight and carried taps at the 48B's shapes, in DTYPE."""
     gen = torch.Generator().manual_seed(T)
     C = 3 * H * D
-    x = torch.randn(1, T, C, generator=gen).cuda().to(DTYPE)
-    w = (0.5 * torch.randn(C, W, generator=gen)).cuda().to(DTYPE)
-    taps = torch.randn(1, W - 1, C, generator=gen).cuda().to(DTYPE)
+    x = torch.randn(1, T, C, generator=gen).to(device, DTYPE)
+    w = (0.5 * torch.randn(C, W, generator=gen)).to(device, DTYPE)
+    taps = torch.randn(1, W - 1, C, generator=gen).to(device, DTYPE)
     return x, w, taps
 
 
@@ -547,14 +547,14 @@ CONV_SWEEP = [dict(BT=32, BC=64, num_warps=2), dict(BT=32, BC=64, num_warps=4), 
 
 def conv_sweep(T: int, rep_ms: int, device: str = "cuda") -> list[dict]:
     """The prefill conv at each tile config of CONV_SWEEP (do_bench). One record per config."""
-    from model.triton.conv import CONFIG, causal_conv1d
-    x, w, taps = conv_inputs(T)
+    from model.triton import conv
+    x, w, taps = conv_inputs(T, device)
 
     def run(cfg):
-        return causal_conv1d(x, w, taps, cfg)[:1]
+        return conv.causal_conv1d(x, w, taps, cfg)[:1]
 
     params = {"op": "causal_conv1d", "B": 1, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
-    return sweep(f"causal_conv1d T={T}", CONV_SWEEP, CONFIG, run,
+    return sweep(f"causal_conv1d T={T}", CONV_SWEEP, conv.CONFIG, run,
                  lambda cfg: {"ours_ms": gpu_ms(lambda: run(cfg), rep_ms), "timing": "do_bench"}, 0.0, params, device)
 
 

@@ -401,6 +401,34 @@ def test_chunk_sweep_plumbing_and_its_check(records_dir, monkeypatch):
     assert len(load(kinds="kernel", root=records_dir).records) == 4
 
 
+def test_conv_sweep_plumbing_and_its_exact_check(records_dir, monkeypatch):
+    """`--ops causal_conv1d --conv-sweep` on the CPU through the interpreter, small shapes, a fake clock: each tile
+    config gives the default's bits and is recorded VALID with its whole config; a config with one element off is
+    INVALID (the tolerance is 0: every tile must give torch's bits)."""
+    from benchmarks import bench_kernels as bk
+    from model.triton import conv
+    for name, value in (("H", 2), ("D", 16), ("CONV_SWEEP", [dict(BT=16, BC=64, num_warps=2), dict(BT=64),
+                                                              dict(BC=32)])):
+        monkeypatch.setattr(bk, name, value)
+    monkeypatch.setattr(bk, "gpu_ms", lambda fn, rep_ms: (fn(), 0.5)[1])
+    real = conv.causal_conv1d
+
+    def off_at_bc32(x, w, taps=None, cfg=None):
+        y, new_taps = real(x, w, taps, cfg)
+        if cfg and cfg.get("BC") == 32:
+            y = y.clone()
+            y[0, 0, 0] += 0.125  # one element of 40 x 96 off
+        return y, new_taps
+
+    monkeypatch.setattr(conv, "causal_conv1d", off_at_bc32)
+    recs = bk.conv_sweep(40, rep_ms=1, device="cpu")
+    assert [r["verdict"] for r in recs] == ["VALID", "VALID", "INVALID"], [r["reasons"] for r in recs]
+    assert all(r["results"]["rel_err_vs_default"] == 0 for r in recs[:2])
+    assert "differs from the default config" in recs[2]["reasons"][0]
+    assert recs[1]["params"]["cfg"] == {**conv.CONFIG, "BT": 64} and recs[1]["params"]["sweep"]
+    assert len(load(kinds="kernel", root=records_dir).records) == 3
+
+
 def test_kernel_records_carry_the_launch_config_they_ran(records_dir, monkeypatch):
     """A kernel's default config changes (the chunk length did): each vs-peer record names the one in force."""
     from benchmarks import bench_kernels as bk
