@@ -29,7 +29,8 @@ For kernels of a few tens of microseconds do_bench is a poor guide to the time i
 (the flush leaves dirty L2 lines whose write-back competes with the next kernel's reads; such figures have
 swung by 1.6x between runs: fla at batch 64 in kernel records dd7b3146 and fab91b33), so the choices of launch
 configs use `graph_ms` (below) instead. The decode step is also timed that way on both sides (`ours_graph_ms`,
-`peer_graph_ms`, GRAPH_LAYERS layers' states in one graph), and the summary states the targets by both measures.
+`peer_graph_ms`, GRAPH_LAYERS layers' states in one graph), and by the profiler (`ours_kernel_ms`, `peer_kernel_ms`:
+the kernels' own device time, launch gaps left out; see `kernel_ms`); the summary states the targets by all three.
 Outputs are compared in the same run (relative RMS error, fla as the reference). One `kernel` record per shape;
 an error in one shape or side becomes an INVALID record and the run goes on. Without fla, ours is still timed
 and every record is INVALID with reason "peer unavailable: ...".
@@ -104,6 +105,19 @@ def eager_ms(fn, n: int = 200) -> float:
     end.synchronize()
     return start.elapsed_time(end) / n
 
+
+def kernel_ms(fn, device: str = "cuda", n: int = 50) -> float:
+    """Device busy time per call by the PyTorch profiler: the durations of every kernel, copy and fill that n calls
+    launch, summed, over n (on a CPU, its leaf operators'). Unlike graph_ms it leaves out the gaps between
+    launches, and one call's inputs stay warm in L2 for the next: what the kernels themselves take, which tells a
+    slower kernel from a costlier launch sequence."""
+    from benchmarks.decompose import profile_steps, trace_events
+    fn()
+    events = trace_events(profile_steps(fn, n, device), torch.device(device).type)
+    return sum(e["dur"] for e in events) / n / 1000.0
+
+
+KERNEL_TIMING = "profiler: summed device time of the kernels one call launches, L2 warm, mean of 50 calls"
 
 GRAPH_LAYERS = 32  # calls per timed CUDA graph, each on its own layer's weights or state (see graph_ms)
 
@@ -248,7 +262,8 @@ def decode_case(B: int, peer, rep_ms: int, device: str = "cuda") -> tuple[dict, 
         return fused_kda_decode(qkv_raw, t_ours, conv_w, f, A_log, dt_bias, b_raw, s_ours,
                                 out_gate=out_gate, norm_weight=norm_w)
 
-    res, reasons = {"ours_ms": gpu_ms(ours, rep_ms), "ours_eager_ms": eager_ms(ours)}, []
+    res, reasons = {"ours_ms": gpu_ms(ours, rep_ms), "ours_eager_ms": eager_ms(ours),
+                    "ours_kernel_ms": kernel_ms(ours, device), "timing_kernel": KERNEL_TIMING}, []
     if not torch.isfinite(o).all() or not torch.isfinite(ours()).all():
         reasons.append("ours produced non-finite values")
     if peer is not None:
@@ -260,6 +275,8 @@ def decode_case(B: int, peer, rep_ms: int, device: str = "cuda") -> tuple[dict, 
 
         time_peer(theirs, lambda out: {"rel_err_vs_peer": rel_err(o, out[0][:, 0])}, res, reasons, rep_ms,
                   eager=True)
+        if "peer_ms" in res:
+            res["peer_kernel_ms"] = kernel_ms(theirs, device)
     layers = [(state.clone(), taps.clone()) for _ in range(GRAPH_LAYERS)]
     res["ours_graph_ms"] = graph_ms([lambda L=L: fused_kda_decode(qkv_raw, L[1], conv_w, f, A_log, dt_bias, b_raw,
                                                                   L[0], out_gate=out_gate, norm_weight=norm_w)
@@ -642,7 +659,8 @@ def summarize(recs: list[dict]) -> None:
         x = next((r["results"] for r in recs
                   if r["params"]["op"] == op and r["params"][key] == n and "speedup" in r["results"]), None)
         if x is not None:
-            for how, o, t in (("do_bench", "ours_ms", "peer_ms"), ("graph", "ours_graph_ms", "peer_graph_ms")):
+            for how, o, t in (("do_bench", "ours_ms", "peer_ms"), ("graph", "ours_graph_ms", "peer_graph_ms"),
+                              ("kernels", "ours_kernel_ms", "peer_kernel_ms")):
                 if o in x and t in x:
                     met = x[o] <= x[t] if cmp == "<=" else x[o] < x[t]
                     log(f"  target {op} {key}={n} ({how}): ours {x[o]:.4f} {cmp} {x['peer']} {x[t]:.4f} ms: "

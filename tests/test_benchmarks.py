@@ -455,6 +455,7 @@ def test_decode_case_times_both_sides_in_graphs(monkeypatch):
         monkeypatch.setattr(bk, name, value)
     monkeypatch.setattr(bk, "gpu_ms", lambda fn, rep_ms: (fn(), 0.02)[1])
     monkeypatch.setattr(bk, "eager_ms", lambda fn: (fn(), 0.03)[1])
+    monkeypatch.setattr(bk, "kernel_ms", lambda fn, device: (fn(), 0.04)[1])
     in_graph = []
 
     def fake_graph_ms(calls):
@@ -477,7 +478,18 @@ def test_decode_case_times_both_sides_in_graphs(monkeypatch):
     assert not reasons and res["rel_err_vs_peer"] < 2e-2
     assert (res["ours_ms"], res["peer_ms"], res["ours_graph_ms"], res["peer_graph_ms"]) == (0.02, 0.02, 0.01, 0.01)
     assert res["timing_graph"].startswith("cuda-graph of 2 layers")
+    assert (res["ours_kernel_ms"], res["peer_kernel_ms"]) == (0.04, 0.04) and res["timing_kernel"].startswith("profiler")
     res, reasons = bk.decode_case(3, (None, lambda *a, **kw: recurrent(*a, **kw, fail=True), "torch"), 10,
                                   device="cpu")
     assert not reasons and "peer_ms" in res and "peer_graph_ms" not in res
     assert "capturing" in res["peer_graph_error"]
+
+
+def test_kernel_ms_sums_the_work_of_one_call():
+    """`kernel_ms` on the CPU (leaf operators stand for kernels): a call of two matmuls takes about twice the
+    time of a call of one, and nothing is counted from outside the calls."""
+    from benchmarks import bench_kernels as bk
+    a = torch.randn(384, 384)
+    one = bk.kernel_ms(lambda: a @ a, "cpu", n=20)
+    two = bk.kernel_ms(lambda: (a @ a, a @ a), "cpu", n=20)
+    assert one > 0 and 1.3 < two / one < 3.0
