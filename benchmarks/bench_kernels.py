@@ -6,6 +6,7 @@
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
     python -m benchmarks.bench_kernels --ops mla_decode_layout [--mla-T 1056,8192]
     python -m benchmarks.bench_kernels --ops mla_absorb
+    python -m benchmarks.bench_kernels --ops moe_prefill_rows [--prefill-T 8192]
 
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
 FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=32 heads, head dim 128, bf16.
@@ -48,7 +49,8 @@ defaults in model/triton/moe.py (GATE_UP, DOWN, ROUTER) from it.
 layout (peer "all-heads": `default_split`, 32 heads a program), for each SHORT of MLA_SHORTS, `graph_ms` over
 MLA_LAYERS layers' calls (each its own cache), batch 1, a buffer of T positions (--mla-T), the query at T-1;
 ours is checked against the peer's output in the same run. `--ops mla_absorb`: `mla_absorb_sweep`, the tile
-configs of the absorbed up-projections against the default, graph-timed per layer.
+configs of the absorbed up-projections against the default, graph-timed per layer. `--ops moe_prefill_rows`:
+`moe_rows_case`, the prefill MoE's expert GEMMs at the router's rows per expert against the same rows balanced.
 """
 from __future__ import annotations
 
@@ -452,6 +454,83 @@ def mla_layout_case(T: int, device: str = "cuda") -> list[dict]:
             f"ours={_ms(results.get('ours_ms'))} all-heads(split={split})={_ms(results.get('peer_ms'))} "
             f"(graph, per layer)  {rec['verdict']} {reasons}")
     return recs
+
+
+MOE_TILE_ROWS = 128  # the rows of torch's grouped-GEMM tiles on sm_90 when a problem has more than 128 rows a group
+
+
+def balanced_counts(n: int, E: int) -> torch.Tensor:
+    """n rows over E groups as evenly as they go (the first n % E groups one more)."""
+    return torch.full((E,), n // E, dtype=torch.int64) + (torch.arange(E) < n % E)
+
+
+def moe_rows_case(T: int, rep_ms: int, device: str = "cuda", preset: str = "48b-a3b") -> dict:
+    """The prefill MoE's expert GEMMs (`ops.grouped_mm` gate_up, `ops.silu_mul`, `ops.grouped_mm` down: the
+    model's path without the dispatch and combine copies) for T tokens of the 48B at the rows per expert its
+    router gives, against the same number of rows balanced across the experts (peer "balanced rows"). The router
+    is the first MoE layer's, synthetic weights seed 0 as the benchmarks' model has them, on unit normal inputs. The gap is
+    what the spread of rows costs torch's grouped GEMM: each expert's rows fill whole tiles of MOE_TILE_ROWS, so a
+    skewed spread pays for padded rows (`tile_rows_wasted`, beside the balanced case's). Ours is checked against
+    one torch.mm per expert for the first experts. One `kernel` record."""
+    from model import ops
+    from model.config import get_config
+    from model.layers import Router
+    from model.weights import synthetic_tensor
+    cfg = get_config(preset)
+    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
+    E, Dm, I, K = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_token
+    params = {"op": "moe_prefill_rows", "B": 1, "T": T, "H": E, "d": Dm, "dtype": "bfloat16", "I": I, "K": K,
+              "router": f"model.layers.{layer} of {preset}, synthetic seed 0, inputs N(0, 1)",
+              "ours_scope": "grouped gate_up + silu_mul + grouped down at the router's rows per expert",
+              "peer_scope": "the same GEMMs with the same number of rows balanced across the experts"}
+    results, reasons = {"peer": "balanced rows", "timing": "do_bench"}, []
+    try:
+        router = Router(cfg).to(device)
+        name = f"model.layers.{layer}.block_sparse_moe.gate."
+        with torch.no_grad():
+            router.weight.copy_(synthetic_tensor(cfg, name + "weight", device=device))
+            router.e_score_correction_bias.copy_(synthetic_tensor(cfg, name + "e_score_correction_bias",
+                                                                  device=device))
+        router.pack_()
+        g = torch.Generator(device=device).manual_seed(T)
+        x = torch.randn(T, Dm, generator=g, device=device).to(DTYPE)
+        idx, _ = router(x)
+        counts = torch.bincount(idx.flatten().cpu(), minlength=E)
+        cases = {"ours": counts, "peer": balanced_counts(T * K, E)}
+        rows = torch.randn(T * K, Dm, generator=g, device=device).to(DTYPE)
+        gate_up = (torch.randn(E, 2 * I, Dm, generator=g, device=device) / Dm ** 0.5).to(DTYPE).transpose(1, 2)
+        down = (torch.randn(E, Dm, I, generator=g, device=device) / I ** 0.5).to(DTYPE).transpose(1, 2)
+
+        def experts(offs):
+            h = ops.grouped_mm(rows, gate_up, offs)
+            return ops.grouped_mm(ops.silu_mul(h[:, :I], h[:, I:]), down, offs)
+
+        for side, c in cases.items():
+            offs = torch.cumsum(c, 0).to(torch.int32).to(device)
+            results[f"{side}_ms"] = gpu_ms(lambda offs=offs: experts(offs), rep_ms)
+            results[f"{side}_tile_rows_wasted"] = int((-c % MOE_TILE_ROWS).sum())
+        results.update(rows_per_expert_sd=float(counts.float().std()), rows_per_expert_max=int(counts.max()),
+                       rows_per_expert_min=int(counts.min()))
+        results["speedup"] = results["peer_ms"] / results["ours_ms"]
+        y, ends = experts(torch.cumsum(counts, 0).to(torch.int32).to(device)), torch.cumsum(counts, 0).tolist()
+        ref, got = [], []
+        for e in range(8):  # the first experts' rows, one torch.mm pair each
+            a, b = ends[e] - counts[e].item(), ends[e]
+            h = rows[a:b] @ gate_up[e]
+            ref.append(ops.silu_mul(h[:, :I], h[:, I:]) @ down[e])
+            got.append(y[a:b])
+        results["rel_err_vs_per_expert_mm"] = rel_err(torch.cat(got), torch.cat(ref))
+        if not results["rel_err_vs_per_expert_mm"] <= 1e-2:
+            reasons.append(f"grouped GEMMs differ from per-expert torch.mm: {results['rel_err_vs_per_expert_mm']:.3g}")
+    except Exception as e:
+        traceback.print_exc()
+        reasons.append(f"moe_prefill_rows failed: {type(e).__name__}: {e}")
+    rec = kernel_record(params, results, reasons, device)
+    log(f"  moe_prefill_rows T={T}: router rows {_ms(results.get('ours_ms'))} ms, balanced "
+        f"{_ms(results.get('peer_ms'))} ms; rows per expert sd {results.get('rows_per_expert_sd', float('nan')):.1f}, "
+        f"padded rows {results.get('ours_tile_rows_wasted')} against {results.get('peer_tile_rows_wasted')}  "
+        f"{rec['verdict']} {reasons}")
+    return rec
 
 
 ABSORB_SWEEP = [dict(BN=bn, BK=bk, num_warps=nw) for bn in (16, 32, 64) for bk in (64, 128)
@@ -888,7 +967,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine",
                     help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, mla_decode_layout, "
-                         "mla_absorb, " + ", ".join(TORCH_PEER_CASES))
+                         "mla_absorb, moe_prefill_rows, " + ", ".join(TORCH_PEER_CASES))
     ap.add_argument("--chunk-T", default="1024,8192,32768")
     ap.add_argument("--decode-B", default="1,8,64")
     ap.add_argument("--mla-T", default="1024,32768,131072", help="mla_decode contexts (batch 1)")
@@ -905,7 +984,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
     unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "mla_decode_layout", "mla_absorb",
-                          *TORCH_PEER_CASES}
+                          "moe_prefill_rows", *TORCH_PEER_CASES}
     if unknown:
         raise SystemExit(f"unknown --ops {sorted(unknown)}")
     if not torch.cuda.is_available():
@@ -937,6 +1016,9 @@ def main(argv=None) -> None:
     if "mla_decode_layout" in ops:
         for T in (int(t) for t in args.mla_T.split(",") if t):
             mla_layout_case(T)
+    if "moe_prefill_rows" in ops:
+        for T in (int(t) for t in args.prefill_T.split(",") if t):
+            moe_rows_case(T, args.rep_ms)
     if "moe_decode" in ops:
         run_moe([int(n) for n in args.moe_N.split(",") if n], args.moe_sweep, args.rep_ms)
 

@@ -493,3 +493,32 @@ def test_kernel_ms_sums_the_work_of_one_call():
     one = bk.kernel_ms(lambda: a @ a, "cpu", n=20)
     two = bk.kernel_ms(lambda: (a @ a, a @ a), "cpu", n=20)
     assert one > 0 and 1.3 < two / one < 3.0
+
+
+def test_moe_rows_case_plumbing(records_dir, monkeypatch):
+    """`moe_rows_case` on the CPU at `tiny` (fake clock): one record with both sides timed, the padded rows of
+    each side counted from its rows per expert, and the grouped GEMMs checked against per-expert torch.mm."""
+    from benchmarks import bench_kernels as bk
+    from records import store
+    monkeypatch.setattr(bk, "DTYPE", torch.float32)
+    monkeypatch.setattr(bk, "gpu_ms", lambda fn, rep_ms: (fn(), 0.02)[1])
+    rec = bk.moe_rows_case(64, 1, device="cpu", preset="tiny")
+    x = rec["results"]
+    assert rec["verdict"] == "VALID", rec["reasons"]
+    assert x["ours_ms"] == x["peer_ms"] == 0.02 and x["peer"] == "balanced rows"
+    assert x["rel_err_vs_per_expert_mm"] < 1e-5 and x["rows_per_expert_max"] >= x["rows_per_expert_min"]
+    E, K = 8, 2  # tiny: 8 experts, top 2 -> 128 rows, 16 an expert when balanced, 112 padded in 128-row tiles
+    assert list(bk.balanced_counts(64 * K, E)) == [16] * E and x["peer_tile_rows_wasted"] == E * (128 - 16)
+    assert [r["id"] for r in store.load("kernel").records] == [rec["id"]]
+    assert list(bk.balanced_counts(10, 4)) == [3, 3, 2, 2]
+
+
+def test_moe_rows_case_flags_grouped_gemms_that_compute_something_else(records_dir, monkeypatch):
+    from benchmarks import bench_kernels as bk
+    from model import ops
+    monkeypatch.setattr(bk, "DTYPE", torch.float32)
+    monkeypatch.setattr(bk, "gpu_ms", lambda fn, rep_ms: (fn(), 0.02)[1])
+    real = ops.grouped_mm
+    monkeypatch.setattr(ops, "grouped_mm", lambda a, b, offs: real(a, b, offs) * 1.05)
+    rec = bk.moe_rows_case(64, 1, device="cpu", preset="tiny")
+    assert rec["verdict"] == "INVALID" and "differ from per-expert torch.mm" in rec["reasons"][0]
