@@ -466,12 +466,12 @@ def balanced_counts(n: int, E: int) -> torch.Tensor:
 
 def moe_rows_case(T: int, rep_ms: int, device: str = "cuda", preset: str = "48b-a3b") -> dict:
     """The prefill MoE's expert GEMMs (`ops.grouped_mm` gate_up, `ops.silu_mul`, `ops.grouped_mm` down: the
-    model's path without the dispatch and combine copies) for T tokens of the 48B at the rows per expert its
+    model's path without the dispatch and combine copies) for T tokens of `preset` at the rows per expert its
     router gives, against the same number of rows balanced across the experts (peer "balanced rows"). The router
-    is the first MoE layer's, synthetic weights seed 0 as the benchmarks' model has them, on unit normal inputs. The gap is
-    what the spread of rows costs torch's grouped GEMM: each expert's rows fill whole tiles of MOE_TILE_ROWS, so a
-    skewed spread pays for padded rows (`tile_rows_wasted`, beside the balanced case's). Ours is checked against
-    one torch.mm per expert for the first experts. One `kernel` record."""
+    is the first MoE layer's, synthetic weights seed 0 as the benchmarks' model has them, on unit normal inputs.
+    The gap is what the spread of rows costs torch's grouped GEMM: each expert's rows fill whole tiles of
+    MOE_TILE_ROWS, so a skewed spread pays for padded rows (`tile_rows_wasted`, beside the balanced case's). Ours
+    is checked against one torch.mm per expert for the first experts. One `kernel` record."""
     from model import ops
     from model.config import get_config
     from model.layers import Router
