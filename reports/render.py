@@ -508,24 +508,26 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
     ax.legend(fontsize=7)
     s.blocks.append(Figure(save(fig, out, "kernels"), "kernel timings", cite(latest)))
     s.blocks.append(Table(["kernel", "ours ms", "peer", "peer ms", "speedup", "CUDA graph: ours / peer ms (speedup)",
-                           "config", "record", "machine", "commit"],
+                           "kernels (profiler): ours / peer ms (speedup)", "config", "record", "machine", "commit"],
                           [[kernel_label(r), fmt(get(r, "results.ours_ms")), str(get(r, "results.peer", "—")),
                             fmt(get(r, "results.peer_ms")),
                             fmt(get(r, "results.peer_ms") and get(r, "results.ours_ms")
                                 and get(r, "results.peer_ms") / get(r, "results.ours_ms"), ".2f"),
-                            graph_cell(r), config_cell(r), short_id(r), machine(r), commit(r)] for r in latest],
+                            paired_cell(r, "graph"), paired_cell(r, "kernel"), config_cell(r), short_id(r),
+                            machine(r), commit(r)] for r in latest],
                           cite(latest)))
     return s
 
 
-def graph_cell(r: dict) -> str:
-    """Both sides timed in CUDA graphs (`bench_kernels`' ours_graph_ms / peer_graph_ms): for ~10 us kernels the
-    do_bench columns beside it count a launch per call, and swing from run to run."""
-    ours, peer = get(r, "results.ours_graph_ms"), get(r, "results.peer_graph_ms")
+def paired_cell(r: dict, how: str) -> str:
+    """Both sides by a second measure, `how` = "graph" (timed in CUDA graphs: `bench_kernels`' ours_graph_ms /
+    peer_graph_ms) or "kernel" (the kernels' device time by the profiler: ours_kernel_ms / peer_kernel_ms): for
+    ~10 us kernels the do_bench columns beside them count a launch per call, and swing from run to run."""
+    ours, peer = get(r, f"results.ours_{how}_ms"), get(r, f"results.peer_{how}_ms")
     if ours is None:
         return "—"
     if peer is None:
-        return f"{fmt(ours)} / {get(r, 'results.peer_graph_error') or '—'}"
+        return f"{fmt(ours)} / {get(r, f'results.peer_{how}_error') or '—'}"
     return f"{fmt(ours)} / {fmt(peer)} ({fmt(peer / ours, '.2f')})"
 
 

@@ -256,14 +256,16 @@ def test_kernel_sweep_records_are_counted_not_drawn(tmp_path):
 
 
 def test_kernel_table_shows_graph_timings_and_the_config(tmp_path):
-    """Where a record holds both sides timed in CUDA graphs the table shows them and their ratio (here the
-    opposite verdict from do_bench's), with the launch config the record ran; an older record shows dashes."""
+    """Where a record holds both sides timed in CUDA graphs, or by the profiler's kernel time, the table shows them
+    and their ratio (here the opposite verdict from do_bench's), with the launch config the record ran; an older
+    record shows dashes."""
     from records import store
     root = tmp_path / "rec"
     store.append(store.make_record("kernel", preset=None, dtype="bfloat16", device="cuda", weights=None,
                                    params=dict(op="kda_decode_step", B=1, cfg={"BV": 32, "grid": "strided"}),
                                    results={"ours_ms": 0.032, "peer_ms": 0.078, "peer": "fla-0.6.0",
-                                            "ours_graph_ms": 0.0077, "peer_graph_ms": 0.0053}), root=root)
+                                            "ours_graph_ms": 0.0077, "peer_graph_ms": 0.0053,
+                                            "ours_kernel_ms": 0.005, "peer_kernel_ms": 0.004}), root=root)
     store.append(store.make_record("kernel", preset=None, dtype="bfloat16", device="cuda", weights=None,
                                    params=dict(op="chunk_kda", T=8192),
                                    results={"ours_ms": 1.445, "peer_ms": 1.347, "peer": "fla-0.6.0"}), root=root)
@@ -273,6 +275,8 @@ def test_kernel_table_shows_graph_timings_and_the_config(tmp_path):
     rows = {row[0].split()[0]: row for row in table.rows}
     graph = table.header.index("CUDA graph: ours / peer ms (speedup)")
     assert rows["kda_decode_step"][graph] == "0.0077 / 0.0053 (0.69)"
+    kernels = table.header.index("kernels (profiler): ours / peer ms (speedup)")
+    assert rows["kda_decode_step"][kernels] == "0.005 / 0.004 (0.80)" and rows["chunk_kda"][kernels] == "—"
     assert rows["kda_decode_step"][table.header.index("config")] == "BV=32 grid=strided"
     assert rows["kda_decode_step"][table.header.index("speedup")] == "2.44"
     assert rows["chunk_kda"][graph] == "—" and rows["chunk_kda"][table.header.index("config")] == "—"
