@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from benchmarks import roofline
+from benchmarks.cli import ints
 from benchmarks.timing import Samples, log, summarize, sync, time_calls, time_steps
 
 PEERS = ("hf", "hf-fla")
@@ -579,16 +580,6 @@ class Bench:
 
 # ---- command line ----------------------------------------------------------------------------------
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"lengths must be >= 1, got {text!r}")
-    return vals
-
-
 def _peers(text: str) -> tuple[str, ...]:
     vals = tuple(x.strip() for x in text.split(",") if x.strip() and x.strip() != "none")
     bad = [v for v in vals if v not in PEERS]
@@ -603,8 +594,8 @@ def settings(argv: list[str] | None = None) -> Settings:
     ap.add_argument("--preset")
     ap.add_argument("--device")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
-    ap.add_argument("--contexts", type=_ints, help="decode contexts (tokens in the cache)")
-    ap.add_argument("--prefill", type=_ints, help="prefill lengths")
+    ap.add_argument("--contexts", type=ints, help="decode contexts (tokens in the cache)")
+    ap.add_argument("--prefill", type=ints, help="prefill lengths")
     ap.add_argument("--decode-tokens", type=int, help="timed decode steps per context (ours)")
     ap.add_argument("--prefill-chunk", type=int, help="tokens per prefill call when filling a decode context")
     ap.add_argument("--recompute-context", type=int)

@@ -60,6 +60,7 @@ import traceback
 
 import torch
 
+from benchmarks.cli import ints
 from benchmarks.timing import log
 
 H, D, W = 32, 128, 4
@@ -505,17 +506,19 @@ def moe_rows_case(T: int, rep_ms: int, device: str = "cuda", preset: str = "48b-
             h = ops.grouped_mm(rows, gate_up, offs)
             return ops.grouped_mm(ops.silu_mul(h[:, :I], h[:, I:]), down, offs)
 
+        ends = {side: torch.cumsum(c, 0) for side, c in cases.items()}
         for side, c in cases.items():
-            offs = torch.cumsum(c, 0).to(torch.int32).to(device)
+            offs = ends[side].to(torch.int32).to(device)
             results[f"{side}_ms"] = gpu_ms(lambda offs=offs: experts(offs), rep_ms)
             results[f"{side}_tile_rows_wasted"] = int((-c % MOE_TILE_ROWS).sum())
         results.update(rows_per_expert_sd=float(counts.float().std()), rows_per_expert_max=int(counts.max()),
                        rows_per_expert_min=int(counts.min()))
         results["speedup"] = results["peer_ms"] / results["ours_ms"]
-        y, ends = experts(torch.cumsum(counts, 0).to(torch.int32).to(device)), torch.cumsum(counts, 0).tolist()
+        y = experts(ends["ours"].to(torch.int32).to(device))
         ref, got = [], []
         for e in range(8):  # the first experts' rows, one torch.mm pair each
-            a, b = ends[e] - counts[e].item(), ends[e]
+            b = int(ends["ours"][e])
+            a = b - int(counts[e])
             h = rows[a:b] @ gate_up[e]
             ref.append(ops.silu_mul(h[:, :I], h[:, I:]) @ down[e])
             got.append(y[a:b])
@@ -968,11 +971,12 @@ def main(argv=None) -> None:
     ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine",
                     help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, mla_decode_layout, "
                          "mla_absorb, moe_prefill_rows, " + ", ".join(TORCH_PEER_CASES))
-    ap.add_argument("--chunk-T", default="1024,8192,32768")
-    ap.add_argument("--decode-B", default="1,8,64")
-    ap.add_argument("--mla-T", default="1024,32768,131072", help="mla_decode contexts (batch 1)")
-    ap.add_argument("--prefill-T", default="8192", help="token counts for the causal_conv1d and moe_combine cases")
-    ap.add_argument("--moe-N", default="1,8", help="tokens per MoE decode step (moe_decode)")
+    ap.add_argument("--chunk-T", type=ints, default=(1024, 8192, 32768))
+    ap.add_argument("--decode-B", type=ints, default=(1, 8, 64))
+    ap.add_argument("--mla-T", type=ints, default=(1024, 32768, 131072), help="mla_decode contexts (batch 1)")
+    ap.add_argument("--prefill-T", type=ints, default=(8192,),
+                    help="token counts for the causal_conv1d, moe_combine and moe_prefill_rows cases")
+    ap.add_argument("--moe-N", type=ints, default=(1, 8), help="tokens per MoE decode step (moe_decode)")
     ap.add_argument("--moe-sweep", action="store_true", help="moe_decode: also time every tile config of the grid")
     ap.add_argument("--decode-sweep", action="store_true",
                     help="kda_decode_step: also time every config of DECODE_SWEEP (CUDA-graph timing)")
@@ -993,34 +997,32 @@ def main(argv=None) -> None:
     if {"chunk_kda", "kda_decode_step"} & set(ops):
         peer, peer_missing = load_fla()
         log(f"peer: {f'fla {peer[2]}' if peer else peer_missing}")
-    recs = [run_case("chunk_kda", 1, int(T), peer, peer_missing, args.rep_ms)
-            for T in args.chunk_T.split(",") if T and "chunk_kda" in ops]
+    recs = [run_case("chunk_kda", 1, T, peer, peer_missing, args.rep_ms) for T in args.chunk_T if "chunk_kda" in ops]
     if args.chunk_sweep and "chunk_kda" in ops:
-        for T in (int(t) for t in args.chunk_T.split(",") if t):
+        for T in args.chunk_T:
             chunk_sweep(T, args.rep_ms)
-    recs += [run_case("kda_decode_step", int(B), 1, peer, peer_missing, args.rep_ms)
-             for B in args.decode_B.split(",") if B and "kda_decode_step" in ops]
+    recs += [run_case("kda_decode_step", B, 1, peer, peer_missing, args.rep_ms)
+             for B in args.decode_B if "kda_decode_step" in ops]
     if args.decode_sweep and "kda_decode_step" in ops:
-        for B in (int(b) for b in args.decode_B.split(",") if b):
+        for B in args.decode_B:
             decode_sweep(B)
-    recs += [run_case("mla_decode", 1, int(T), None, None, args.rep_ms)
-             for T in args.mla_T.split(",") if T and "mla_decode" in ops]
-    recs += [run_case(op, 1, int(T), None, None, args.rep_ms)
-             for T in args.prefill_T.split(",") if T for op in TORCH_PEER_CASES if op in ops]
+    recs += [run_case("mla_decode", 1, T, None, None, args.rep_ms) for T in args.mla_T if "mla_decode" in ops]
+    recs += [run_case(op, 1, T, None, None, args.rep_ms)
+             for T in args.prefill_T for op in TORCH_PEER_CASES if op in ops]
     summarize(recs)
     if args.conv_sweep and "causal_conv1d" in ops:
-        for T in (int(t) for t in args.prefill_T.split(",") if t):
+        for T in args.prefill_T:
             conv_sweep(T, args.rep_ms)
     if "mla_absorb" in ops:
         mla_absorb_sweep()
     if "mla_decode_layout" in ops:
-        for T in (int(t) for t in args.mla_T.split(",") if t):
+        for T in args.mla_T:
             mla_layout_case(T)
     if "moe_prefill_rows" in ops:
-        for T in (int(t) for t in args.prefill_T.split(",") if t):
+        for T in args.prefill_T:
             moe_rows_case(T, args.rep_ms)
     if "moe_decode" in ops:
-        run_moe([int(n) for n in args.moe_N.split(",") if n], args.moe_sweep, args.rep_ms)
+        run_moe(list(args.moe_N), args.moe_sweep, args.rep_ms)
 
 
 if __name__ == "__main__":

@@ -523,3 +523,15 @@ def test_moe_rows_case_flags_grouped_gemms_that_compute_something_else(records_d
     monkeypatch.setattr(ops, "grouped_mm", lambda a, b, offs: real(a, b, offs) * 1.05)
     rec = bk.moe_rows_case(64, 1, device="cpu", preset="tiny")
     assert rec["verdict"] == "INVALID" and "differ from per-expert torch.mm" in rec["reasons"][0]
+
+
+def test_kernel_bench_cli_rejects_bad_lists(capsys):
+    """bench_kernels' list arguments go through the shared `benchmarks.cli.ints`: a bad list is an argparse error
+    naming it, raised before anything is timed (this machine has no GPU, which would be the next error)."""
+    from benchmarks import bench_kernels as bk
+    from benchmarks.cli import ints
+    assert ints("1,8, 64") == (1, 8, 64)
+    for bad in ("1,x", "0,8"):
+        with pytest.raises(SystemExit) as e:
+            bk.main(["--decode-B", bad])
+        assert e.value.code == 2 and "--decode-B" in capsys.readouterr().err
