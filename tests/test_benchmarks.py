@@ -535,3 +535,42 @@ def test_kernel_bench_cli_rejects_bad_lists(capsys):
         with pytest.raises(SystemExit) as e:
             bk.main(["--decode-B", bad])
         assert e.value.code == 2 and "--decode-B" in capsys.readouterr().err
+
+
+def test_dense_gemv_bench_plumbing(records_dir, monkeypatch):
+    """`--ops dense_gemv [--gemv-sweep]` on the CPU through the interpreter at small shapes (fake clock): the
+    default and each swept config recorded VALID against F.linear, with bytes and bandwidth."""
+    from benchmarks import bench_kernels as bk
+    monkeypatch.setattr(bk, "GEMV_SHAPES", {"o_proj": (24, 64)})
+    monkeypatch.setattr(bk, "GRAPH_LAYERS", 2)
+    monkeypatch.setattr(bk, "graph_ms", lambda calls: ([c() for c in calls], 0.01)[1])
+    monkeypatch.setattr(roofline, "measure_read_gbps", lambda device, nbytes, reps: 4000.0)
+    grid = [dict(BLOCK_N=2, BLOCK_K=32, num_warps=4), dict(BLOCK_N=16, BLOCK_K=16, num_warps=4)]
+    monkeypatch.setattr(bk, "gemv_sweep_grid", lambda: grid)
+    recs = bk.gemv_case("o_proj", 2, sweep=True, device="cpu")
+    assert all(r["verdict"] == "VALID" for r in recs), [r["reasons"] for r in recs]
+    assert [r["params"].get("sweep", False) for r in recs] == [False, True, True]
+    assert recs[1]["params"]["cfg"] == grid[0] and recs[0]["params"]["kernel"] == "o_proj"
+    x = recs[0]["results"]
+    assert x["bytes"] == 24 * 64 * 2 and x["ours_gbps"] == pytest.approx(x["bytes"] / 1e-5 / 1e9)
+    assert x["rel_err_vs_peer"] < 1e-2 and x["speedup"] == 1.0
+    assert len(load(kinds="kernel", root=records_dir).records) == 3
+
+
+def test_dense_gemv_bench_flags_a_gemv_that_computes_something_else(records_dir, monkeypatch):
+    from benchmarks import bench_kernels as bk
+    from model.triton import gemv as gv
+    monkeypatch.setattr(bk, "GEMV_SHAPES", {"o_proj": (24, 64)})
+    monkeypatch.setattr(bk, "GRAPH_LAYERS", 2)
+    monkeypatch.setattr(bk, "graph_ms", lambda calls: ([c() for c in calls], 0.01)[1])
+    monkeypatch.setattr(roofline, "measure_read_gbps", lambda device, nbytes, reps: 4000.0)
+    real = gv.gemv
+    monkeypatch.setattr(gv, "gemv", lambda x, w, cfg=None: real(x, w, cfg) * 1.05)
+    rec, = bk.gemv_case("o_proj", 1, sweep=False, device="cpu")
+    assert rec["verdict"] == "INVALID" and "differs from" in rec["reasons"][0]
+
+
+def test_gemv_sweep_grid_holds_the_default():
+    from benchmarks import bench_kernels as bk
+    from model.triton import gemv as gv
+    assert gv.GEMV in bk.gemv_sweep_grid() and len(bk.gemv_sweep_grid()) >= 10
