@@ -7,7 +7,6 @@
     python -m benchmarks.bench_kernels --ops mla_decode_layout [--mla-T 1056,8192]
     python -m benchmarks.bench_kernels --ops mla_absorb
     python -m benchmarks.bench_kernels --ops moe_prefill_rows [--prefill-T 8192]
-    python -m benchmarks.bench_kernels --ops dense_gemv [--gemv-M 1,8] [--gemv-sweep]
 
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
 FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=32 heads, head dim 128, bf16.
@@ -52,8 +51,6 @@ MLA_LAYERS layers' calls (each its own cache), batch 1, a buffer of T positions 
 ours is checked against the peer's output in the same run. `--ops mla_absorb`: `mla_absorb_sweep`, the tile
 configs of the absorbed up-projections against the default, graph-timed per layer. `--ops moe_prefill_rows`:
 `moe_rows_case`, the prefill MoE's expert GEMMs at the router's rows per expert against the same rows balanced.
-`--ops dense_gemv`: `gemv_case`, the one-launch Triton GEMV (`model.triton.gemv`) against F.linear at each of the
-decode projections' shapes in GEMV_SHAPES, both graph-timed over 32 layers' weights; `--gemv-sweep` adds its tiles.
 """
 from __future__ import annotations
 
@@ -969,74 +966,11 @@ def run_moe(Ns: list[int], sweep: bool, rep_ms: int, device: str = "cuda") -> li
     return recs
 
 
-# ---- decode's dense projections: the one-launch Triton GEMV against F.linear (cuBLAS) ---------------------------
-# 48B-A3B's decode projections (rows of the weight, columns): the attention outputs (KDA and MLA alike), the packed
-# KDA input projection (q|k|v|f_a|g_a|b) and the packed MLA one (q|kv_a), all bf16.
-GEMV_SHAPES = {"o_proj": (2304, 4096), "kda_in_proj": (12576, 2304), "mla_in_proj": (6720, 2304)}
-GEMV_PEER = f"torch-{torch.__version__} F.linear (cuBLAS)"
-GEMV_TOL = 1e-2  # bf16 outputs of two fp32-accumulating sums in other orders: ~1e-3 apart
-
-
-def gemv_sweep_grid() -> list[dict]:
-    """Tiles of at most 256 bytes of weight a thread a step (beyond that the loads spill registers)."""
-    return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw) for bn in (1, 2, 4, 8, 16) for bk in (256, 512, 1024, 2048)
-            for nw in (4, 8) if bn * bk * 2 <= 256 * 32 * nw]
-
-
-def gemv_case(shape: str, M: int, sweep: bool, device: str = "cuda") -> list[dict]:
-    """`gemv` on GRAPH_LAYERS layers' weights of one shape, graph-timed against F.linear on the same weights (cold
-    from HBM, as the decode graph reads them); the output checked against F.linear's and for run-to-run
-    determinism. One record for the default config, and with `sweep` one per config of `gemv_sweep_grid`."""
-    import torch.nn.functional as F
-    from benchmarks.roofline import measure_read_gbps
-    from model.triton.gemv import GEMV, gemv
-    N, K = GEMV_SHAPES[shape]
-    g = torch.Generator(device=device).manual_seed(N + K)
-    ws = [(torch.randn(N, K, generator=g, device=device) * K ** -0.5).to(DTYPE) for _ in range(GRAPH_LAYERS)]
-    x = torch.randn(M, K, generator=g, device=device).to(DTYPE)
-    hbm_gbps = measure_read_gbps(device, 1 << 30, 20)
-    params = {"op": "dense_gemv", "kernel": shape, "M": M, "N": N, "K": K, "dtype": "bfloat16",
-              "peer_scope": "F.linear on the same weights, graph-timed the same way"}
-    peer_ms = graph_ms([lambda w=w: F.linear(x, w) for w in ws])
-    ref = F.linear(x, ws[0])
-    recs = []
-    for cfg in [None] + (gemv_sweep_grid() if sweep else []):
-        reasons = []
-        try:
-            first, again = gemv(x, ws[0], cfg), gemv(x, ws[0], cfg)
-            res = {"rel_err_vs_peer": rel_err(first, ref), "peer": GEMV_PEER, "peer_ms": peer_ms,
-                   "ours_ms": graph_ms([lambda w=w: gemv(x, w, cfg) for w in ws]), "bytes": N * K * 2,
-                   "timing": graph_timing(GRAPH_LAYERS), "measured_read_gbps": hbm_gbps}
-            if not torch.equal(first, again):
-                reasons.append("ours is not deterministic: two runs on the same inputs differ")
-            for who in ("ours", "peer"):
-                gbps = res["bytes"] / (res[f"{who}_ms"] / 1e3) / 1e9
-                res[f"{who}_gbps"], res[f"{who}_frac_of_nominal"] = gbps, gbps / NOMINAL_GBPS
-                res[f"{who}_frac_of_measured"] = gbps / hbm_gbps
-            judge_peer(res, reasons, GEMV_TOL)
-        except Exception as e:  # a config that fails to compile or run is recorded and skipped
-            traceback.print_exc()
-            res, reasons = {"peer": GEMV_PEER}, [f"{cfg} failed: {type(e).__name__}: {e}"]
-        p = {**params, "cfg": {**GEMV, **(cfg or {})}, **({"sweep": True} if cfg is not None else {})}
-        rec = kernel_record(p, res, reasons, device)
-        recs.append(rec)
-        line = f"  dense_gemv {shape:12s} M={M} {str(p['cfg']):52s} ours={_ms(res.get('ours_ms'))}"
-        if "ours_gbps" in res:
-            line += (f" ({res['ours_gbps']:5.0f} GB/s)  F.linear={_ms(peer_ms)} ({res['peer_gbps']:5.0f} GB/s)"
-                     f"  speedup={res['speedup']:.2f}x")
-        log(line + f"  {rec['verdict']}")
-    valid = [r for r in recs if r["verdict"] == "VALID"]
-    if sweep and valid:
-        best = min(valid, key=lambda r: r["results"]["ours_ms"])
-        log(f"  best dense_gemv {shape} M={M}: {best['params']['cfg']} {best['results']['ours_ms'] * 1e3:.2f} us")
-    return recs
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine",
                     help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, mla_decode_layout, "
-                         "mla_absorb, moe_prefill_rows, dense_gemv, " + ", ".join(TORCH_PEER_CASES))
+                         "mla_absorb, moe_prefill_rows, " + ", ".join(TORCH_PEER_CASES))
     ap.add_argument("--chunk-T", type=ints, default=(1024, 8192, 32768))
     ap.add_argument("--decode-B", type=ints, default=(1, 8, 64))
     ap.add_argument("--mla-T", type=ints, default=(1024, 32768, 131072), help="mla_decode contexts (batch 1)")
@@ -1044,8 +978,6 @@ def main(argv=None) -> None:
                     help="token counts for the causal_conv1d, moe_combine and moe_prefill_rows cases")
     ap.add_argument("--moe-N", type=ints, default=(1, 8), help="tokens per MoE decode step (moe_decode)")
     ap.add_argument("--moe-sweep", action="store_true", help="moe_decode: also time every tile config of the grid")
-    ap.add_argument("--gemv-M", type=ints, default=(1,), help="rows of x for dense_gemv")
-    ap.add_argument("--gemv-sweep", action="store_true", help="dense_gemv: also time every tile config of the grid")
     ap.add_argument("--decode-sweep", action="store_true",
                     help="kda_decode_step: also time every config of DECODE_SWEEP (CUDA-graph timing)")
     ap.add_argument("--chunk-sweep", action="store_true",
@@ -1056,7 +988,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
     unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "mla_decode_layout", "mla_absorb",
-                          "moe_prefill_rows", "dense_gemv", *TORCH_PEER_CASES}
+                          "moe_prefill_rows", *TORCH_PEER_CASES}
     if unknown:
         raise SystemExit(f"unknown --ops {sorted(unknown)}")
     if not torch.cuda.is_available():
@@ -1091,10 +1023,6 @@ def main(argv=None) -> None:
             moe_rows_case(T, args.rep_ms)
     if "moe_decode" in ops:
         run_moe(list(args.moe_N), args.moe_sweep, args.rep_ms)
-    if "dense_gemv" in ops:
-        for shape in GEMV_SHAPES:
-            for M in args.gemv_M:
-                gemv_case(shape, M, args.gemv_sweep)
 
 
 if __name__ == "__main__":

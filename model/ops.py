@@ -112,17 +112,6 @@ def gated_rmsnorm(o, gate, weight, eps):
     return norms.gated_rmsnorm(o, gate, weight, eps)
 
 
-# ---- dense projections ----------------------------------------------------------------------------
-def decode_linear(x, weight):
-    """x W^T for decode's few rows: the one-launch Triton GEMV (`model.triton.gemv`) for up to its MAX_ROWS rows,
-    F.linear (cuBLAS) past them and under "torch"."""
-    if _triton(x):
-        from .triton.gemv import MAX_ROWS, gemv
-        if x.numel() // max(x.shape[-1], 1) <= MAX_ROWS:
-            return gemv(x, weight)
-    return F.linear(x, weight)
-
-
 # ---- MLA ----------------------------------------------------------------------------------------
 _cudnn_narrow_v: bool | None = None  # does cuDNN's flash attention take v narrower than q and k here? (first call)
 
