@@ -840,8 +840,9 @@ class MoeCase:
                                  lambda: torch_down(L["act"], L["idx"], L["w"], dn, L["sd"])),
                     "moe_layer": (lambda: ours_layer(L), lambda: peer_layer(L))}
 
-        def ours_layer(L):  # as the model runs it (model.ops.moe)
-            return moe.fused_moe_decode(x, L["wr"], L["bias"], K, MOE_SCALING, True, gu, dn, (L["sg"], L["su"], L["sd"]))
+        def ours_layer(L):
+            idx, w = moe.fused_router(x, L["wr"], L["bias"], K, MOE_SCALING, True)
+            return moe.expert_down(moe.expert_gate_up(x, idx, gu, (L["sg"], L["su"])), idx, w, dn, L["sd"])
 
         def peer_layer(L):
             idx, w = moe.route(F.linear(x.float(), L["wr"]), L["bias"], K, MOE_SCALING, True)

@@ -7,16 +7,14 @@ Three launches per MoE layer, routing kept on the device (no host sync, graph-ca
   router:   logits[n, e] = x_n . Wr[e] (fp32), then the top-k
             grid (N, E / BLOCK_E); each program streams BLOCK_E rows of the fp32 router weight. The last
             program of a token to finish (an arrival counter, put back to 0 by that program, so CUDA graph
-            replays reuse it) reads the token's E logits and picks its experts. In `fused_moe_decode` the
-            grid is I / BLOCK_I programs wider: they compute the shared expert's gate_up, which needs no
-            routing, beside the router's GEMV and top-k (a chain of dependent steps that leaves HBM idle).
+            replays reuse it) reads the token's E logits and picks its experts.
   gate_up:  act[n, k, i] = silu(w1[e] x_n)[i] * (w3[e] x_n)[i]          e = idx[n, k]
             grid (N*(K+1), I / BLOCK_I); each program streams a [BLOCK_I, D] slice of w1 and of w3.
   down:     y[n, d]     = sum_k w[n, k] * (w2[e] act[n, k])[d]  + shared expert (weight 1)
             grid (N, D / BLOCK_D); each program streams [BLOCK_D, I] slices of all K chosen w2's at once
             (one [K, BLOCK_D, BLOCK_I] tile per step) and of the shared expert, and sums the slots in
             registers in a fixed order: no atomics, the same bits on every run.
-The shared expert rides along as slot K of gate_up (or of the router's launch) and beside the K slots in down.
+The shared expert rides along as slot K of gate_up and beside the K slots in down.
 
 Tile sizes and launch options are parameters (`GATE_UP`, `DOWN`, `ROUTER` hold the defaults);
 `python -m benchmarks.bench_kernels --ops moe_decode --moe-sweep` times a grid of them on the GPU.
@@ -67,10 +65,8 @@ def _gate_up_rows(x_row, w_gate, w_up, mask_i, D: tl.constexpr, BLOCK_I: tl.cons
 
 @triton.jit
 def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D: tl.constexpr, I: tl.constexpr,
-                    K: tl.constexpr, SLOTS: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_I: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    """PROGRAMS slots of each token's SLOTS rows of act: slot k < K of token n reads expert idx[n, k]; slot K (when
-    PROGRAMS = SLOTS = K + 1) the shared expert (PROGRAMS = K: the router's launch fills that slot). The routed
+                    K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Slot k < K of token n reads expert idx[n, k]; slot K (when SLOTS = K + 1) the shared expert. The routed
     stack may be held in another dtype than the shared expert (model.checkpoint.ROUTED_EXPERTS): each branch
     then reads through its own pointers, and only their fp32 sums meet (Triton refuses one pointer variable of
     two element types). With one dtype (serving) the branch only picks the rows and one loop reads them: for
@@ -78,8 +74,8 @@ def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D
     form compiles the loop twice, with fewer registers."""
     pid = tl.program_id(0)
     pid_i = tl.program_id(1)
-    n = pid // PROGRAMS
-    k = pid % PROGRAMS
+    n = pid // SLOTS
+    k = pid % SLOTS
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < I
     if w_ptr.dtype.element_ty == sg_ptr.dtype.element_ty:
@@ -99,18 +95,13 @@ def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D
         else:
             acc_g, acc_u = _gate_up_rows(x_ptr + n * D, sg_ptr + offs_i[:, None] * D, su_ptr + offs_i[:, None] * D,
                                          mask_i, D, BLOCK_I, BLOCK_D)
-    _store_act(act_ptr + (n * SLOTS + k) * I, offs_i, mask_i, acc_g, acc_u)
-
-
-@triton.jit
-def _store_act(act_row, offs_i, mask_i, acc_g, acc_u):
-    """silu(w1 x) * (w3 x) into one row of act. Rounds where the prefill path (F.linear, F.silu, mul on model-dtype
-    tensors) rounds, so decode and prefill differ only by fp32 summation order, not by where bf16 rounding happens."""
-    DT = act_row.dtype.element_ty
+    # Round where the prefill path (F.linear, F.silu, mul on model-dtype tensors) rounds, so decode and
+    # prefill differ only by fp32 summation order, not by where bf16 rounding happens.
+    DT = act_ptr.dtype.element_ty
     g = acc_g.to(DT).to(tl.float32)
     s = (g * tl.sigmoid(g)).to(DT).to(tl.float32)
     h = s * acc_u.to(DT).to(tl.float32)
-    tl.store(act_row + offs_i, h.to(DT), mask=mask_i)
+    tl.store(act_ptr + pid * I + offs_i, h.to(DT), mask=mask_i)
 
 
 @triton.jit
@@ -175,25 +166,18 @@ def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, g
     return expert_down(act, idx, w, down, shared[2] if shared is not None else None, down_cfg)
 
 
-def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None, act=None) -> torch.Tensor:
-    """The first launch: act [N * SLOTS, I] (SLOTS = K, + 1 with the shared expert's (gate, up)). Given `act`
-    [N * (K + 1), I] whose shared slots are already filled (by `fused_router`'s launch), only the routed slots are
-    computed, into it."""
+def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None) -> torch.Tensor:
+    """The first launch: act [N * SLOTS, I] (SLOTS = K, + 1 with the shared expert's (gate, up))."""
     mt.require_runnable(_moe_expert_gate_up_kernel, x.device)
     N, D = x.shape
     K, I = idx.shape[1], gate_up.shape[1] // 2
-    if act is not None and (shared_gate_up is not None or act.shape != (N * (K + 1), I)):
-        raise ValueError(f"expert_gate_up: act must be [{N * (K + 1)}, {I}] with its shared slots filled (and no "
-                         f"shared weights), got {tuple(act.shape)}")
     sg, su = (t.contiguous() for t in shared_gate_up) if shared_gate_up is not None else (gate_up, gate_up)
-    slots = K + (shared_gate_up is not None or act is not None)
-    programs = K + (shared_gate_up is not None)
-    if act is None:
-        act = mt.empty(N * slots, I, dtype=x.dtype, device=x.device)
+    slots = K + (shared_gate_up is not None)
+    act = mt.empty(N * slots, I, dtype=x.dtype, device=x.device)
     c = {**GATE_UP, **(cfg or {})}
     bi, bd = min(c["BLOCK_I"], triton.next_power_of_2(I)), min(c["BLOCK_D"], triton.next_power_of_2(D))
-    _moe_expert_gate_up_kernel[(N * programs, triton.cdiv(I, bi))](x, idx, gate_up, sg, su, act, D, I, K, slots,
-                                                                  programs, bi, bd, num_warps=c["num_warps"])
+    _moe_expert_gate_up_kernel[(N * slots, triton.cdiv(I, bi))](x, idx, gate_up, sg, su, act, D, I, K, slots, bi, bd,
+                                                               num_warps=c["num_warps"])
     return act
 
 
@@ -268,96 +252,49 @@ def route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, reno
 
 
 @triton.jit
-def _moe_router_kernel(x_ptr, wr_ptr, bias_ptr, logits_ptr, arrivals, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, scaling,
-                       D: tl.constexpr, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-                       EP: tl.constexpr, RENORM: tl.constexpr, ROUTER_PROGRAMS: tl.constexpr, I: tl.constexpr,
-                       BLOCK_I: tl.constexpr, BLOCK_GU_D: tl.constexpr):
-    """Programs pid_e < ROUTER_PROGRAMS: the logits of experts offs_e for token n (whole rows: BLOCK_D = D padded to
-    a power of two), then, in the token's last router program to arrive, its routing. The logit of expert e is one
-    fixed-order fp32 reduction. Programs past them (a grid wider than ROUTER_PROGRAMS): BLOCK_I rows of the shared
-    expert's gate_up, into act's slot K of token n, exactly as `_moe_expert_gate_up_kernel` computes them (the same
-    tiles and helpers); they need no routing, and run beside the router's GEMV and top-k instead of after them."""
+def _moe_router_kernel(x_ptr, wr_ptr, bias_ptr, logits_ptr, arrivals, idx_ptr, w_ptr, scaling, D: tl.constexpr,
+                       E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                       EP: tl.constexpr, RENORM: tl.constexpr):
+    """Logits of experts offs_e for token n (whole rows: BLOCK_D = D padded to a power of two), then, in the
+    token's last program to arrive, its routing. The logit of expert e is one fixed-order fp32 reduction."""
     n = tl.program_id(0)
     pid_e = tl.program_id(1)
-    if pid_e >= ROUTER_PROGRAMS:
-        offs_i = (pid_e - ROUTER_PROGRAMS) * BLOCK_I + tl.arange(0, BLOCK_I)
-        mask_i = offs_i < I
-        acc_g, acc_u = _gate_up_rows(x_ptr + n * D, sg_ptr + offs_i[:, None] * D, su_ptr + offs_i[:, None] * D,
-                                     mask_i, D, BLOCK_I, BLOCK_GU_D)
-        _store_act(act_ptr + (n * (K + 1) + K) * I, offs_i, mask_i, acc_g, acc_u)
-    else:
-        offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-        mask_e = offs_e < E
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        xv = tl.load(x_ptr + n * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        wv = tl.load(wr_ptr + offs_e[:, None] * D + offs_d[None, :], mask=mask_e[:, None] & mask_d[None, :],
-                     other=0.0).to(tl.float32)
-        tl.store(logits_ptr + n * E + offs_e, tl.sum(wv * xv[None, :], axis=1), mask=mask_e)
-        # Report in once every thread of this program has stored its logits (acq_rel atomic); the last of the
-        # token's router programs reads all E logits (.cg: from L2, where the others' stores are) and routes it.
-        tl.debug_barrier()
-        if tl.atomic_add(arrivals + n, 1) == ROUTER_PROGRAMS - 1:
-            offs = tl.arange(0, EP)
-            mask = offs < E
-            logit = tl.load(logits_ptr + n * E + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            _topk_route(logit, offs, mask, bias_ptr, idx_ptr + n * K, w_ptr + n * K, scaling, K, EP, RENORM)
-            tl.atomic_xchg(arrivals + n, 0)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask_e = offs_e < E
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    xv = tl.load(x_ptr + n * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    wv = tl.load(wr_ptr + offs_e[:, None] * D + offs_d[None, :], mask=mask_e[:, None] & mask_d[None, :],
+                 other=0.0).to(tl.float32)
+    tl.store(logits_ptr + n * E + offs_e, tl.sum(wv * xv[None, :], axis=1), mask=mask_e)
+    # Report in once every thread of this program has stored its logits (acq_rel atomic); the last of the
+    # token's programs reads all E logits (.cg: from L2, where the others' stores are) and routes the token.
+    tl.debug_barrier()
+    if tl.atomic_add(arrivals + n, 1) == tl.num_programs(1) - 1:
+        offs = tl.arange(0, EP)
+        mask = offs < E
+        logit = tl.load(logits_ptr + n * E + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        _topk_route(logit, offs, mask, bias_ptr, idx_ptr + n * K, w_ptr + n * K, scaling, K, EP, RENORM)
+        tl.atomic_xchg(arrivals + n, 0)
 
 
 def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, renorm: bool,
-                 cfg: dict | None = None, shared_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 act: torch.Tensor | None = None):
+                 cfg: dict | None = None):
     """x [N, D], router weight [E, D] (fp32), correction bias [E] -> (idx [N, k] int64, weights [N, k] fp32):
-    the router GEMV and the routing in one launch. `cfg` overrides `ROUTER` (the benchmark's sweep).
-
-    With `shared_gate_up` = (gate [I, D], up [I, D]) and `act` [N * (k + 1), I], the same launch also fills act's
-    shared slots (rows n * (k + 1) + k) with the shared expert's silu(gate x) * (up x), as `expert_gate_up` would:
-    pass act on to `expert_gate_up(..., act=act)` for the routed slots. That launch then runs GATE_UP's warps, so
-    that the shared rows come out in the same bits as from `expert_gate_up` (measured: the router alone times the
-    same at 4 and 8 warps, 6.7 us `9d333668` and 6.8 us `d6926700`)."""
+    the router GEMV and the routing in one launch. `cfg` overrides `ROUTER` (the benchmark's sweep)."""
     N, D = x.shape
     E = weight.shape[0]
     if weight.shape[1] != D or bias.shape != (E,):
         raise ValueError(f"router weight {tuple(weight.shape)} / bias {tuple(bias.shape)} do not fit x {tuple(x.shape)}")
-    if (shared_gate_up is None) != (act is None):
-        raise ValueError("fused_router: pass shared_gate_up and act together (or neither)")
     _check_k(k)
     mt.require_runnable(_moe_router_kernel, x.device)
     c = {**ROUTER, **(cfg or {})}
     be = min(c["BLOCK_E"], triton.next_power_of_2(E))
-    router_programs = triton.cdiv(E, be)
-    I, bi, bgd, shared_programs, warps = 1, 1, 1, 0, c["num_warps"]
-    sg = su = weight  # placeholders: never read without the shared programs
-    if shared_gate_up is not None:
-        sg, su = (t.contiguous() for t in shared_gate_up)
-        I = sg.shape[0]
-        if sg.shape != (I, D) or su.shape != (I, D) or act.shape != (N * (k + 1), I) or act.dtype != x.dtype:
-            raise ValueError(f"fused_router: shared gate/up must be [I, {D}] and act [{N * (k + 1)}, I] of x's dtype, "
-                             f"got {tuple(sg.shape)}, {tuple(su.shape)}, act {tuple(act.shape)} {act.dtype}")
-        bi, bgd = min(GATE_UP["BLOCK_I"], triton.next_power_of_2(I)), min(GATE_UP["BLOCK_D"], triton.next_power_of_2(D))
-        shared_programs, warps = triton.cdiv(I, bi), GATE_UP["num_warps"]
     logits = mt.empty(N, E, dtype=torch.float32, device=x.device)
     idx = mt.empty(N, k, dtype=torch.int64, device=x.device)
     w = mt.empty(N, k, dtype=torch.float32, device=x.device)
-    _moe_router_kernel[(N, router_programs + shared_programs)](
+    _moe_router_kernel[(N, triton.cdiv(E, be))](
         x.contiguous(), weight.contiguous(), bias.float().contiguous(), logits, mt.arrival_counters(x.device, N), idx,
-        w, sg, su, act if act is not None else logits, float(scaling), D, E, k, be, triton.next_power_of_2(D),
-        triton.next_power_of_2(E), bool(renorm), router_programs, I, bi, bgd, num_warps=warps)
+        w, float(scaling), D, E, k, be, triton.next_power_of_2(D), triton.next_power_of_2(E), bool(renorm),
+        num_warps=c["num_warps"])
     return idx, w
-
-
-def fused_moe_decode(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, k: int, scaling: float,
-                     renorm: bool, gate_up: torch.Tensor, down: torch.Tensor,
-                     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The whole small-batch MoE block in three launches: the router (with the shared expert's gate_up beside it),
-    the routed experts' gate_up, the down projections of all slots. The same bits as `fused_router` followed by
-    `fused_moe_small_batch`; shapes as theirs."""
-    if shared is None:
-        idx, w = fused_router(x, router_weight, bias, k, scaling, renorm)
-        return fused_moe_small_batch(x, idx, w, gate_up, down)
-    x = x.contiguous()
-    act = mt.empty(x.shape[0] * (k + 1), gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
-    idx, w = fused_router(x, router_weight, bias, k, scaling, renorm, shared_gate_up=shared[:2], act=act)
-    act = expert_gate_up(x, idx, gate_up, act=act)
-    return expert_down(act, idx, w, down, shared[2])
