@@ -38,7 +38,8 @@ and every record is INVALID with reason "peer unavailable: ...".
 
 `--ops moe_decode`: the batch-N decode MoE of 48B-A3B at its real shapes (random weights, one layer): the
 fused router (GEMV + top-k, one launch), the gate_up and down expert kernels, and the three in sequence
-(`moe_layer`), each against PyTorch forms of the same part in the same run (see MoeCase), with GB/s over the
+(`moe_layer`, as `model.ops.moe` runs it), each against PyTorch forms of the same part in the same run (see MoeCase;
+`moe_layer_plain`: the block against its own launches without the early starts), with GB/s over the
 bytes an ideal kernel reads, as a fraction of 4.25 TB/s and of the read ceiling measured in the run.
 These are timed by `graph_ms`, not do_bench: 32 layers' calls (each layer its own router, shared expert and
 routed experts) captured in one CUDA graph, as the model's decode step runs them.
@@ -757,7 +758,10 @@ def summarize(recs: list[dict]) -> None:
 MOE_E, MOE_D, MOE_I, MOE_K, MOE_SCALING = 256, 2304, 1024, 8, 2.446
 MOE_PEER = "torch-gather-einsum"
 NOMINAL_GBPS = 4250.0  # the H200's HBM figure the task is stated against; the measured read ceiling sits beside it
-MOE_PARTS = ("moe_router", "moe_gate_up", "moe_down", "moe_layer")
+MOE_PARTS = ("moe_router", "moe_gate_up", "moe_down", "moe_layer", "moe_layer_plain")
+# moe_layer_plain's peer: the model's MoE block (ours: router and gate_up started early, PDL) against the same three
+# launches issued plainly, so that the early starts are measured alone
+MOE_PLAIN_PEER = "the same launches without PDL"
 
 
 def moe_sweep_grid() -> dict[str, list[dict]]:
@@ -829,6 +833,7 @@ class MoeCase:
         self.bytes = {"moe_router": E * D * 4, "moe_gate_up": round(experts * 2 * I * D * 2),
                       "moe_down": round(experts * D * I * 2)}
         self.bytes["moe_layer"] = sum(self.bytes.values())
+        self.bytes["moe_layer_plain"] = self.bytes["moe_layer"]
         x, gu, dn = self.x, self.gate_up, self.down
 
         def parts(L, cfg):
@@ -838,9 +843,13 @@ class MoeCase:
                                     lambda: torch_gate_up(x, L["idx"], gu, L["sg"], L["su"])),
                     "moe_down": (lambda: moe.expert_down(L["act"], L["idx"], L["w"], dn, L["sd"], cfg),
                                  lambda: torch_down(L["act"], L["idx"], L["w"], dn, L["sd"])),
-                    "moe_layer": (lambda: ours_layer(L), lambda: peer_layer(L))}
+                    "moe_layer": (lambda: ours_layer(L), lambda: peer_layer(L)),
+                    "moe_layer_plain": (lambda: ours_layer(L), lambda: plain_layer(L))}
 
-        def ours_layer(L):
+        def ours_layer(L):  # as the model runs it (model.ops.moe)
+            return moe.fused_moe_decode(x, L["wr"], L["bias"], K, MOE_SCALING, True, gu, dn, (L["sg"], L["su"], L["sd"]))
+
+        def plain_layer(L):  # the same launches without the early starts
             idx, w = moe.fused_router(x, L["wr"], L["bias"], K, MOE_SCALING, True)
             return moe.expert_down(moe.expert_gate_up(x, idx, gu, (L["sg"], L["su"])), idx, w, dn, L["sd"])
 
@@ -882,7 +891,8 @@ def moe_measure(case: MoeCase, part: str, cfg: dict | None, rep_ms: int, hbm_gbp
     ours_calls, peer_calls = case.calls(part, cfg)
     res["ours_ms"] = graph_ms(ours_calls)
     res["peer_ms"] = peer_ms if peer_ms is not None else graph_ms(peer_calls)
-    res["peer"], res["bytes"], res["timing"] = MOE_PEER, case.bytes[part], graph_timing(GRAPH_LAYERS)
+    res["peer"] = MOE_PLAIN_PEER if part == "moe_layer_plain" else MOE_PEER
+    res["bytes"], res["timing"] = case.bytes[part], graph_timing(GRAPH_LAYERS)
     for who in ("ours", "peer"):
         gbps = case.bytes[part] / (res[f"{who}_ms"] / 1e3) / 1e9
         res[f"{who}_gbps"], res[f"{who}_frac_of_nominal"] = gbps, gbps / NOMINAL_GBPS

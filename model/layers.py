@@ -261,8 +261,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        idx, w = self.gate(x)
-        y = ops.moe_experts(x, idx, w, self.experts.gate_up_proj, self.experts.down_proj, self.shared_experts)
+        y = ops.moe(x, self.gate, self.experts.gate_up_proj, self.experts.down_proj, self.shared_experts)
         return y.view(shape)
 
 

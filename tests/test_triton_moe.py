@@ -15,7 +15,7 @@ from hypothesis import given, strategies as st  # noqa: E402
 import model.triton as mt  # noqa: E402
 from model import ops  # noqa: E402
 from model.layers import MLP  # noqa: E402
-from model.triton.moe import fused_moe_small_batch, fused_router, route  # noqa: E402
+from model.triton.moe import fused_moe_decode, fused_moe_small_batch, fused_router, route  # noqa: E402
 from model.triton.moe_combine import _moe_combine_kernel  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 
@@ -357,6 +357,99 @@ def test_gpu_real_shapes(N, no_tf32):
             torch.cuda.synchronize()
             assert torch.equal(gi, ridx2) and torch.equal(gw, rw2)
             assert torch.equal(gy, ops.moe_experts(x, ridx2, rw2, gate_up, down, shared))
+
+
+def decode_inputs(N, D, I, E, K, seed, with_shared, dtype=torch.float32):
+    """`expert_inputs` plus a router: fp32 weight [E, D] and bias [E]."""
+    x, _, _, gate_up, down, shared = expert_inputs(N, D, I, E, K, seed, with_shared, dtype)
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
+    wr = torch.randn(E, D, generator=g, device=DEV) / D ** 0.5
+    bias = 0.01 * torch.randn(E, generator=g, device=DEV)
+    sw = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+    return x, wr, bias, gate_up, down, shared, sw
+
+
+@given(N=st.integers(1, 3), D=st.sampled_from([16, 40]), I=st.sampled_from([8, 24]), E=st.sampled_from([8, 12]),
+       K=st.sampled_from([1, 2, 4]), seed=st.integers(0, 999), with_shared=st.booleans())
+def test_fused_moe_decode_equals_router_then_experts(N, D, I, E, K, seed, with_shared):
+    """The model's MoE block (`fused_moe_decode`) gives the bits of the router followed by the expert launches, and
+    the torch reference's values."""
+    x, wr, bias, gate_up, down, shared, sw = decode_inputs(N, D, I, E, K, seed, with_shared)
+    idx, w = fused_router(x, wr, bias, K, 2.446, True)
+    y = fused_moe_decode(x, wr, bias, K, 2.446, True, gate_up, down, sw)
+    assert torch.equal(y, fused_moe_small_batch(x, idx, w, gate_up, down, sw))
+    with ops.use("torch"):
+        ref = ops.moe_experts(x, *ops.moe_router(x, wr, bias, K, 2.446, True), gate_up, down, shared)
+    assert rel_err(y, ref) < 1e-5
+
+
+def test_early_starts_only_when_nothing_is_copied_before_them(monkeypatch):
+    """PDL is asked for only on CUDA, compiled, and when the block copies none of its inputs: a copy would be the
+    kernel just before an early launch, which the launch may overtake (here, on the CPU, never)."""
+    from model.triton import moe
+    seen = []
+    real = moe.pdl
+    monkeypatch.setattr(moe, "pdl", lambda kernel, device, early: (seen.append(early), real(kernel, device, early))[1])
+    x, wr, bias, gate_up, down, shared, sw = decode_inputs(2, 16, 8, 8, 2, 0, True)
+    fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, sw)
+    fused_moe_decode(x, wr, bias.double(), 2, 2.446, True, gate_up, down, sw)  # the bias is copied to fp32
+    fused_moe_decode(x.t().contiguous().t(), wr, bias, 2, 2.446, True, gate_up, down, sw)  # x is copied
+    assert seen == [True, True, False, False, False, False]
+    assert real(moe._moe_router_kernel, torch.device(DEV), True) == (
+        dict(PDL=True, launch_pdl=True) if DEV == "cuda" and mt.compiled(moe._moe_router_kernel) else dict(PDL=False))
+
+
+def test_model_moe_block_takes_the_fused_decode_path(monkeypatch):
+    """`ops.moe` (the model's MoE block): `fused_moe_decode` for decode-sized batches under "triton", routing
+    then `moe_experts` past SMALL_BATCH and under "torch"; all agree with the torch reference."""
+    from model.layers import MoE
+    from model.triton import moe
+    cfg = type("Cfg", (), dict(num_experts=8, num_experts_per_token=2, routed_scaling_factor=2.446,
+                               moe_renormalize=True, hidden_size=32, moe_intermediate_size=16, num_shared_experts=1))()
+    block = MoE(cfg).to(DEV).requires_grad_(False)
+    g = torch.Generator().manual_seed(3)
+    for p in block.parameters():
+        p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    block.gate.pack_()
+    calls = []
+    real = moe.fused_moe_decode
+    monkeypatch.setattr(moe, "fused_moe_decode", lambda x, *a: (calls.append(x.shape[0]), real(x, *a))[1])
+    x = torch.randn(ops.SMALL_BATCH + 1, 32, generator=g).to(DEV)
+    with ops.use("torch"):
+        ref = block(x)
+    with ops.use("triton"):
+        few, many = block(x[:3]), block(x)
+    assert calls == [3]
+    assert rel_err(few, ref[:3]) < 1e-5 and rel_err(many, ref) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N", [1, 8])
+def test_gpu_early_starts_keep_the_bits(N):
+    """At 48B-A3B's shapes in bf16, behind a kernel that writes x (as the norm before the block does): the early
+    (PDL) launches give the plain launches' bits, eagerly and in CUDA graph replays with x rewritten each time."""
+    E, D, I, K = 256, 2304, 1024, 8
+    x, wr, bias, gate_up, down, shared, sw = decode_inputs(N, D, I, E, K, N, True, torch.bfloat16)
+    src = x.clone()
+    idx, w = fused_router(x, wr, bias, K, 2.446, True)
+    ref = fused_moe_small_batch(x, idx, w, gate_up, down, sw)
+
+    def block():
+        torch.mul(src, 1.0, out=x)  # the kernel just before the block writes its input
+        return fused_moe_decode(x, wr, bias, K, 2.446, True, gate_up, down, sw)
+
+    x.zero_()
+    assert torch.equal(block(), ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gy = block()
+    for _ in range(3):
+        x.zero_()
+        gy.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(gy, ref)
 
 
 def test_arrival_counters_are_one_buffer_made_once():

@@ -16,6 +16,14 @@ Three launches per MoE layer, routing kept on the device (no host sync, graph-ca
             registers in a fixed order: no atomics, the same bits on every run.
 The shared expert rides along as slot K of gate_up and beside the K slots in down.
 
+PDL (programmatic dependent launch, CUDA): the router and gate_up are launched to start while the kernel before
+them still runs. The router reads its weight rows, then waits (griddepcontrol.wait) for x from the norm before
+it, then lets gate_up launch; gate_up's shared-expert programs, which need no routing, stream their weights
+right away (x is complete by then: the router's programs passed their wait before gate_up could launch), while
+its routed programs wait for the router's idx. Nothing else changes: the same bits with or without it. Only
+outputs that outlive the early start are written before a wait (act, allocated after the router's launch,
+while everything the router reads or writes stays alive: its logits in a buffer made once, `router_logits`).
+
 Tile sizes and launch options are parameters (`GATE_UP`, `DOWN`, `ROUTER` hold the defaults);
 `python -m benchmarks.bench_kernels --ops moe_decode --moe-sweep` times a grid of them on the GPU.
 The references are `model.ops.moe_experts_torch` and `model.ops.moe_router` under `ops.use("torch")`.
@@ -27,6 +35,7 @@ import triton
 import triton.language as tl
 
 import model.triton as mt
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Launch defaults (tiles and num_warps), chosen for batch-1 decode at D=2304, I=1024, K=8+1, from the sweep of
 # `bench_kernels --ops moe_decode --moe-sweep`, timed as the model runs them: a CUDA graph over 32 layers'
@@ -65,7 +74,8 @@ def _gate_up_rows(x_row, w_gate, w_up, mask_i, D: tl.constexpr, BLOCK_I: tl.cons
 
 @triton.jit
 def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D: tl.constexpr, I: tl.constexpr,
-                    K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+                    K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PDL: tl.constexpr):
     """Slot k < K of token n reads expert idx[n, k]; slot K (when SLOTS = K + 1) the shared expert. The routed
     stack may be held in another dtype than the shared expert (model.checkpoint.ROUTED_EXPERTS): each branch
     then reads through its own pointers, and only their fp32 sums meet (Triton refuses one pointer variable of
@@ -78,6 +88,8 @@ def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D
     k = pid % SLOTS
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < I
+    if PDL and k < K:  # launched early (see PDL above): the routed slots wait for the router's idx
+        gdc_wait()
     if w_ptr.dtype.element_ty == sg_ptr.dtype.element_ty:
         if k < K:
             e = tl.load(idx_ptr + n * K + k).to(tl.int64)
@@ -148,7 +160,8 @@ def _moe_expert_down_kernel(act_ptr, idx_ptr, wt_ptr, w_ptr, sd_ptr, y_ptr, D: t
 
 def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
                           down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                          gate_up_cfg: dict | None = None, down_cfg: dict | None = None) -> torch.Tensor:
+                          gate_up_cfg: dict | None = None, down_cfg: dict | None = None,
+                          early: bool = False) -> torch.Tensor:
     """x [N, D]; idx [N, K] expert ids; w [N, K] fp32 weights; gate_up [E, 2I, D]; down [E, D, I] -> y [N, D].
 
     `shared` = (gate [I, D], up [I, D], down [D, I]) adds the shared expert (weight 1) in the same launches.
@@ -161,22 +174,27 @@ def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, g
         raise ValueError(f"expert shapes {tuple(gate_up.shape)} / {tuple(down.shape)} do not fit x {tuple(x.shape)}")
     if shared is not None and (shared[0].shape != (I, D) or shared[1].shape != (I, D) or shared[2].shape != (D, I)):
         raise ValueError(f"shared expert shapes {[tuple(t.shape) for t in shared]} do not fit [{I}, {D}] / [{D}, {I}]")
-    x, idx, w = x.contiguous(), idx.contiguous(), w.float().contiguous()
-    act = expert_gate_up(x, idx, gate_up, shared[:2] if shared is not None else None, gate_up_cfg)
+    xc, idx, w = x.contiguous(), idx.contiguous(), w.float().contiguous()
+    early = early and xc is x  # (idx and w are read after the wait)
+    act = expert_gate_up(xc, idx, gate_up, shared[:2] if shared is not None else None, gate_up_cfg, early)
     return expert_down(act, idx, w, down, shared[2] if shared is not None else None, down_cfg)
 
 
-def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None) -> torch.Tensor:
-    """The first launch: act [N * SLOTS, I] (SLOTS = K, + 1 with the shared expert's (gate, up))."""
+def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None, early: bool = False) -> torch.Tensor:
+    """The first launch: act [N * SLOTS, I] (SLOTS = K, + 1 with the shared expert's (gate, up)). `early` (CUDA):
+    launched to start while the router launched just before it runs (PDL; see the module docstring); only for a
+    router launched with `early`, right before, and x and the weights made before that router."""
     mt.require_runnable(_moe_expert_gate_up_kernel, x.device)
     N, D = x.shape
     K, I = idx.shape[1], gate_up.shape[1] // 2
     sg, su = (t.contiguous() for t in shared_gate_up) if shared_gate_up is not None else (gate_up, gate_up)
+    early = early and (shared_gate_up is None or (sg is shared_gate_up[0] and su is shared_gate_up[1]))
     slots = K + (shared_gate_up is not None)
     act = mt.empty(N * slots, I, dtype=x.dtype, device=x.device)
     c = {**GATE_UP, **(cfg or {})}
     bi, bd = min(c["BLOCK_I"], triton.next_power_of_2(I)), min(c["BLOCK_D"], triton.next_power_of_2(D))
     _moe_expert_gate_up_kernel[(N * slots, triton.cdiv(I, bi))](x, idx, gate_up, sg, su, act, D, I, K, slots, bi, bd,
+                                                               **pdl(_moe_expert_gate_up_kernel, x.device, early),
                                                                num_warps=c["num_warps"])
     return act
 
@@ -254,7 +272,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, reno
 @triton.jit
 def _moe_router_kernel(x_ptr, wr_ptr, bias_ptr, logits_ptr, arrivals, idx_ptr, w_ptr, scaling, D: tl.constexpr,
                        E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-                       EP: tl.constexpr, RENORM: tl.constexpr):
+                       EP: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
     """Logits of experts offs_e for token n (whole rows: BLOCK_D = D padded to a power of two), then, in the
     token's last program to arrive, its routing. The logit of expert e is one fixed-order fp32 reduction."""
     n = tl.program_id(0)
@@ -263,9 +281,12 @@ def _moe_router_kernel(x_ptr, wr_ptr, bias_ptr, logits_ptr, arrivals, idx_ptr, w
     mask_e = offs_e < E
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    xv = tl.load(x_ptr + n * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     wv = tl.load(wr_ptr + offs_e[:, None] * D + offs_d[None, :], mask=mask_e[:, None] & mask_d[None, :],
                  other=0.0).to(tl.float32)
+    if PDL:  # the weight rows above are read while the kernel before (the norm that makes x) finishes
+        gdc_wait()
+        gdc_launch_dependents()
+    xv = tl.load(x_ptr + n * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     tl.store(logits_ptr + n * E + offs_e, tl.sum(wv * xv[None, :], axis=1), mask=mask_e)
     # Report in once every thread of this program has stored its logits (acq_rel atomic); the last of the
     # token's programs reads all E logits (.cg: from L2, where the others' stores are) and routes the token.
@@ -279,7 +300,7 @@ def _moe_router_kernel(x_ptr, wr_ptr, bias_ptr, logits_ptr, arrivals, idx_ptr, w
 
 
 def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, renorm: bool,
-                 cfg: dict | None = None):
+                 cfg: dict | None = None, early: bool = False):
     """x [N, D], router weight [E, D] (fp32), correction bias [E] -> (idx [N, k] int64, weights [N, k] fp32):
     the router GEMV and the routing in one launch. `cfg` overrides `ROUTER` (the benchmark's sweep)."""
     N, D = x.shape
@@ -290,11 +311,53 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     mt.require_runnable(_moe_router_kernel, x.device)
     c = {**ROUTER, **(cfg or {})}
     be = min(c["BLOCK_E"], triton.next_power_of_2(E))
-    logits = mt.empty(N, E, dtype=torch.float32, device=x.device)
+    xc, wc, bc = x.contiguous(), weight.contiguous(), bias.float().contiguous()
+    early = early and xc is x and wc is weight and bc is bias  # a copy made here would be the kernel just before
+    x, weight, bias = xc, wc, bc
     idx = mt.empty(N, k, dtype=torch.int64, device=x.device)
     w = mt.empty(N, k, dtype=torch.float32, device=x.device)
+    # The logits go to a buffer that outlives the call: the gate_up launch that follows may start before this one
+    # ends (PDL), and a temporary freed here could be handed to it by the allocator while still being read.
+    logits = router_logits(x.device, N * E)
     _moe_router_kernel[(N, triton.cdiv(E, be))](
-        x.contiguous(), weight.contiguous(), bias.float().contiguous(), logits, mt.arrival_counters(x.device, N), idx,
-        w, float(scaling), D, E, k, be, triton.next_power_of_2(D), triton.next_power_of_2(E), bool(renorm),
+        x, weight, bias, logits, mt.arrival_counters(x.device, N), idx, w, float(scaling), D, E, k, be,
+        triton.next_power_of_2(D), triton.next_power_of_2(E), bool(renorm), **pdl(_moe_router_kernel, x.device, early),
         num_warps=c["num_warps"])
     return idx, w
+
+
+# One logits buffer per device for the router (see fused_router), made once (a captured graph keeps its address).
+ROUTER_LOGITS = 1 << 16
+_logits: dict[torch.device, torch.Tensor] = {}
+
+
+def router_logits(device: torch.device, n: int) -> torch.Tensor:
+    if n > ROUTER_LOGITS:
+        raise ValueError(f"{n} router logits asked for; the buffer holds {ROUTER_LOGITS}")
+    buf = _logits.get(device)
+    if buf is None:
+        buf = _logits[device] = torch.empty(ROUTER_LOGITS, dtype=torch.float32, device=device)
+    return buf
+
+
+def pdl(kernel, device: torch.device, early: bool) -> dict:
+    """Launch arguments for programmatic dependent launch (PDL) when `early`, compiled on CUDA only (the interpreter
+    has no griddepcontrol): the kernel may start while the one before it still runs, and waits (`gdc_wait`) before
+    it reads that kernel's output."""
+    on = early and device.type == "cuda" and mt.compiled(kernel)
+    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+
+
+def fused_moe_decode(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, k: int, scaling: float,
+                     renorm: bool, gate_up: torch.Tensor, down: torch.Tensor,
+                     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The whole small-batch MoE block: `fused_router` then `fused_moe_small_batch`, the first two launches `early`
+    (PDL, see the module docstring): the same bits. The caller promises that the kernel launched just before does
+    not write the router's or the experts' weights (true of a model's decode step: they are written at load)."""
+    # early only when no input is copied here: a copy would be the kernel just before a launch, and a temporary
+    # the router reads could be handed to gate_up's act by the allocator while the router still runs
+    early = (x.is_contiguous() and router_weight.is_contiguous() and bias.dtype == torch.float32
+             and bias.is_contiguous())
+    x = x.contiguous()
+    idx, w = fused_router(x, router_weight, bias, k, scaling, renorm, early=early)
+    return fused_moe_small_batch(x, idx, w, gate_up, down, shared, early=early)
