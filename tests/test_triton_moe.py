@@ -460,3 +460,12 @@ def test_arrival_counters_are_one_buffer_made_once():
     assert mt.arrival_counters(dev, mt.ARRIVAL_COUNTERS) is first and not first.any()
     with pytest.raises(ValueError, match="arrival counters"):
         mt.arrival_counters(dev, mt.ARRIVAL_COUNTERS + 1)
+    # the router's logits are such a buffer too, another one: fused_router writes into it, it is never replaced
+    from model.triton import moe
+    logits = mt.kept_buffer("router logits", torch.device(DEV), 1, moe.ROUTER_LOGITS, torch.float32)
+    x, wr, bias, *_ = decode_inputs(2, 16, 8, 8, 2, 0, False)
+    logits.zero_()
+    fused_router(x, wr, bias, 2, 1.0, True)
+    assert logits[:16].ne(0).all() and not logits[16:].any()
+    assert mt.kept_buffer("router logits", torch.device(DEV), 5, moe.ROUTER_LOGITS, torch.float32) is logits
+    assert mt.kept_buffer("router logits", dev, 1, moe.ROUTER_LOGITS, torch.float32) is not first

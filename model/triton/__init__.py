@@ -32,21 +32,28 @@ def rows(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-# Arrival counters of the kernels whose last program to finish completes the work (the KDA decode step, the
-# fused MoE router): int32 zeros that such a program puts back to 0, so one buffer per device serves every
-# launch, CUDA-graph replays included. It is made once, large enough for any batch (B x heads), because a
-# captured graph keeps its address: it must never be replaced. One such kernel runs at a time per device.
+# Buffers that kernels share across launches, made once per device and never replaced (a captured CUDA graph keeps
+# their addresses), large enough for any batch; one launch of the kernels that use one at a time per device.
+# - arrival counters (`arrival_counters`) of the kernels whose last program to finish completes the work (the KDA
+#   decode step, the fused MoE router): int32 zeros that such a program puts back to 0, so every launch, CUDA-graph
+#   replays included, finds them at 0;
+# - the fused MoE router's logits (`model.triton.moe.fused_router`), which must outlive the call (see there).
 ARRIVAL_COUNTERS = 1 << 16
-_counters: dict[torch.device, torch.Tensor] = {}
+_kept: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def kept_buffer(name: str, device: torch.device, n: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The device's `name` buffer of `size` zeros (made on first use, then the same tensor), of which n are needed."""
+    if n > size:
+        raise ValueError(f"{n} {name} asked for; the buffer holds {size}")
+    buf = _kept.get((name, device))
+    if buf is None:
+        buf = _kept[(name, device)] = torch.zeros(size, dtype=dtype, device=device)
+    return buf
 
 
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    if n > ARRIVAL_COUNTERS:
-        raise ValueError(f"{n} arrival counters asked for; the buffer holds {ARRIVAL_COUNTERS}")
-    buf = _counters.get(device)
-    if buf is None:
-        buf = _counters[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-    return buf
+    return kept_buffer("arrival counters", device, n, ARRIVAL_COUNTERS, torch.int32)
 
 
 def launch_config(name: str, defaults: dict, cfg: dict | None) -> dict:

@@ -22,7 +22,7 @@ it, then lets gate_up launch; gate_up's shared-expert programs, which need no ro
 right away (x is complete by then: the router's programs passed their wait before gate_up could launch), while
 its routed programs wait for the router's idx. Nothing else changes: the same bits with or without it. Only
 outputs that outlive the early start are written before a wait (act, allocated after the router's launch,
-while everything the router reads or writes stays alive: its logits in a buffer made once, `router_logits`).
+while everything the router reads or writes stays alive: its logits in a buffer made once, `model.triton.kept_buffer`).
 
 Tile sizes and launch options are parameters (`GATE_UP`, `DOWN`, `ROUTER` hold the defaults);
 `python -m benchmarks.bench_kernels --ops moe_decode --moe-sweep` times a grid of them on the GPU.
@@ -318,7 +318,7 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     w = mt.empty(N, k, dtype=torch.float32, device=x.device)
     # The logits go to a buffer that outlives the call: the gate_up launch that follows may start before this one
     # ends (PDL), and a temporary freed here could be handed to it by the allocator while still being read.
-    logits = router_logits(x.device, N * E)
+    logits = mt.kept_buffer("router logits", x.device, N * E, ROUTER_LOGITS, torch.float32)
     _moe_router_kernel[(N, triton.cdiv(E, be))](
         x, weight, bias, logits, mt.arrival_counters(x.device, N), idx, w, float(scaling), D, E, k, be,
         triton.next_power_of_2(D), triton.next_power_of_2(E), bool(renorm), **pdl(_moe_router_kernel, x.device, early),
@@ -326,18 +326,7 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     return idx, w
 
 
-# One logits buffer per device for the router (see fused_router), made once (a captured graph keeps its address).
-ROUTER_LOGITS = 1 << 16
-_logits: dict[torch.device, torch.Tensor] = {}
-
-
-def router_logits(device: torch.device, n: int) -> torch.Tensor:
-    if n > ROUTER_LOGITS:
-        raise ValueError(f"{n} router logits asked for; the buffer holds {ROUTER_LOGITS}")
-    buf = _logits.get(device)
-    if buf is None:
-        buf = _logits[device] = torch.empty(ROUTER_LOGITS, dtype=torch.float32, device=device)
-    return buf
+ROUTER_LOGITS = 1 << 16  # the router's logits buffer (see fused_router): tokens x experts
 
 
 def pdl(kernel, device: torch.device, early: bool) -> dict:
