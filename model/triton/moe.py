@@ -18,7 +18,7 @@ The shared expert rides along as slot K of gate_up and beside the K slots in dow
 
 PDL (programmatic dependent launch, CUDA): the router and gate_up are launched to start while the kernel before
 them still runs. The router reads its weight rows, then waits (griddepcontrol.wait) for x from the norm before
-it, then lets gate_up launch; gate_up's shared-expert programs, which need no routing, stream their weights
+it (which does not signal early: only its tail overlaps), then lets gate_up launch; gate_up's shared-expert programs, which need no routing, stream their weights
 right away (x is complete by then: the router's programs passed their wait before gate_up could launch), while
 its routed programs wait for the router's idx. Nothing else changes: the same bits with or without it. Only
 outputs that outlive the early start are written before a wait (act, allocated after the router's launch,
