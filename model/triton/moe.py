@@ -53,6 +53,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 GATE_UP = dict(BLOCK_I=16, BLOCK_D=256, num_warps=8)
 DOWN = dict(BLOCK_D=1, BLOCK_I=1024, num_warps=4)
 ROUTER = dict(BLOCK_E=1, num_warps=4)
+ROUTER_LOGITS = 1 << 16  # the router's logits buffer (see fused_router): tokens x experts
 
 
 @triton.jit
@@ -174,21 +175,19 @@ def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, g
         raise ValueError(f"expert shapes {tuple(gate_up.shape)} / {tuple(down.shape)} do not fit x {tuple(x.shape)}")
     if shared is not None and (shared[0].shape != (I, D) or shared[1].shape != (I, D) or shared[2].shape != (D, I)):
         raise ValueError(f"shared expert shapes {[tuple(t.shape) for t in shared]} do not fit [{I}, {D}] / [{D}, {I}]")
-    xc, idx, w = x.contiguous(), idx.contiguous(), w.float().contiguous()
-    early = early and xc is x  # (idx and w are read after the wait)
-    act = expert_gate_up(xc, idx, gate_up, shared[:2] if shared is not None else None, gate_up_cfg, early)
+    x, idx, w = x.contiguous(), idx.contiguous(), w.float().contiguous()
+    act = expert_gate_up(x, idx, gate_up, shared[:2] if shared is not None else None, gate_up_cfg, early)
     return expert_down(act, idx, w, down, shared[2] if shared is not None else None, down_cfg)
 
 
 def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None, early: bool = False) -> torch.Tensor:
     """The first launch: act [N * SLOTS, I] (SLOTS = K, + 1 with the shared expert's (gate, up)). `early` (CUDA):
-    launched to start while the router launched just before it runs (PDL; see the module docstring); only for a
-    router launched with `early`, right before, and x and the weights made before that router."""
+    launched to start while the router launched just before it runs (PDL; see the module docstring); set by
+    `fused_moe_decode` alone, which checks that nothing is copied before the launch."""
     mt.require_runnable(_moe_expert_gate_up_kernel, x.device)
     N, D = x.shape
     K, I = idx.shape[1], gate_up.shape[1] // 2
     sg, su = (t.contiguous() for t in shared_gate_up) if shared_gate_up is not None else (gate_up, gate_up)
-    early = early and (shared_gate_up is None or (sg is shared_gate_up[0] and su is shared_gate_up[1]))
     slots = K + (shared_gate_up is not None)
     act = mt.empty(N * slots, I, dtype=x.dtype, device=x.device)
     c = {**GATE_UP, **(cfg or {})}
@@ -302,7 +301,8 @@ def _moe_router_kernel(x_ptr, wr_ptr, bias_ptr, logits_ptr, arrivals, idx_ptr, w
 def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, renorm: bool,
                  cfg: dict | None = None, early: bool = False):
     """x [N, D], router weight [E, D] (fp32), correction bias [E] -> (idx [N, k] int64, weights [N, k] fp32):
-    the router GEMV and the routing in one launch. `cfg` overrides `ROUTER` (the benchmark's sweep)."""
+    the router GEMV and the routing in one launch. `cfg` overrides `ROUTER` (the benchmark's sweep). `early` (CUDA):
+    launched to start while the kernel before it runs (PDL); set by `fused_moe_decode` alone (see there)."""
     N, D = x.shape
     E = weight.shape[0]
     if weight.shape[1] != D or bias.shape != (E,):
@@ -311,9 +311,7 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     mt.require_runnable(_moe_router_kernel, x.device)
     c = {**ROUTER, **(cfg or {})}
     be = min(c["BLOCK_E"], triton.next_power_of_2(E))
-    xc, wc, bc = x.contiguous(), weight.contiguous(), bias.float().contiguous()
-    early = early and xc is x and wc is weight and bc is bias  # a copy made here would be the kernel just before
-    x, weight, bias = xc, wc, bc
+    x, weight, bias = x.contiguous(), weight.contiguous(), bias.float().contiguous()
     idx = mt.empty(N, k, dtype=torch.int64, device=x.device)
     w = mt.empty(N, k, dtype=torch.float32, device=x.device)
     # The logits go to a buffer that outlives the call: the gate_up launch that follows may start before this one
@@ -324,9 +322,6 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
         triton.next_power_of_2(D), triton.next_power_of_2(E), bool(renorm), **pdl(_moe_router_kernel, x.device, early),
         num_warps=c["num_warps"])
     return idx, w
-
-
-ROUTER_LOGITS = 1 << 16  # the router's logits buffer (see fused_router): tokens x experts
 
 
 def pdl(kernel, device: torch.device, early: bool) -> dict:
@@ -343,10 +338,11 @@ def fused_moe_decode(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.T
     """The whole small-batch MoE block: `fused_router` then `fused_moe_small_batch`, the first two launches `early`
     (PDL, see the module docstring): the same bits. The caller promises that the kernel launched just before does
     not write the router's or the experts' weights (true of a model's decode step: they are written at load)."""
-    # early only when no input is copied here: a copy would be the kernel just before a launch, and a temporary
-    # the router reads could be handed to gate_up's act by the allocator while the router still runs
+    # The one place that decides the early starts: only when the launches copy none of their inputs. A copy would
+    # be the kernel just before an early launch (whose weights the router reads before it waits), and a temporary
+    # the router reads could be handed to gate_up's act by the allocator while the router still runs.
     early = (x.is_contiguous() and router_weight.is_contiguous() and bias.dtype == torch.float32
-             and bias.is_contiguous())
+             and bias.is_contiguous() and (shared is None or (shared[0].is_contiguous() and shared[1].is_contiguous())))
     x = x.contiguous()
     idx, w = fused_router(x, router_weight, bias, k, scaling, renorm, early=early)
     return fused_moe_small_batch(x, idx, w, gate_up, down, shared, early=early)
