@@ -395,6 +395,9 @@ def test_early_starts_only_when_nothing_is_copied_before_them(monkeypatch):
     fused_moe_decode(x, wr, bias.double(), 2, 2.446, True, gate_up, down, sw)  # the bias is copied to fp32
     fused_moe_decode(x.t().contiguous().t(), wr, bias, 2, 2.446, True, gate_up, down, sw)  # x is copied
     assert seen == [True, True, False, False, False, False]
+    strided = (sw[0].t().contiguous().t(), sw[1], sw[2])  # the shared expert's gate weight would be copied
+    y = fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, strided)
+    assert seen[6:] == [False, False] and torch.equal(y, fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, sw))
     assert real(moe._moe_router_kernel, torch.device(DEV), True) == (
         dict(PDL=True, launch_pdl=True) if DEV == "cuda" and mt.compiled(moe._moe_router_kernel) else dict(PDL=False))
 
