@@ -604,7 +604,7 @@ def sm90_spills() -> dict:
         "norm": stack_bytes(nm._rmsnorm_kernel, {**dict.fromkeys(["x", "res", "gate", "weight", "y", "res_out"], bf),
                                                  "N": "i32", "stride_x": "i32",
                                                  "eps": "fp32"},
-                            dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False), num_warps=8),
+                            dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False, SIGNAL=True), num_warps=8),
     }
     # both kernels for fp32 inputs (tf32x3 dots, fp32 operands stored; Gate A's path on CUDA), at the default's tiles
     out["prep_fp32"], out["scan_fp32"] = chunk_prep(f32, "tf32x3", False), chunk_scan(f32, "tf32x3", False)
@@ -624,19 +624,19 @@ def sm90_spills() -> dict:
     gu_sig = {"x_ptr": bf, "idx_ptr": "*i64", "w_ptr": bf, "sg_ptr": bf, "su_ptr": bf, "act_ptr": bf}
     dn_sig = {"act_ptr": bf, "idx_ptr": "*i64", "wt_ptr": f32, "w_ptr": bf, "sd_ptr": bf, "y_ptr": bf}
     out["moe_gate_up"] = stack_bytes(moe._moe_expert_gate_up_kernel, gu_sig,
-                                     dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_I=gu["BLOCK_I"], BLOCK_D=gu["BLOCK_D"]),
+                                     dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_I=gu["BLOCK_I"], BLOCK_D=gu["BLOCK_D"], PDL=True),
                                      num_warps=gu["num_warps"])
     out["moe_down"] = stack_bytes(moe._moe_expert_down_kernel, dn_sig,
-                                  dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"]),
+                                  dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"], PDL=True),
                                   num_warps=dn["num_warps"])
     # Gate A's precision on CUDA: an fp32 model whose routed experts stay bf16 (the shared expert is fp32)
     mixed = {**dict.fromkeys(["x_ptr", "sg_ptr", "su_ptr", "act_ptr", "sd_ptr", "y_ptr", "wt_ptr"], f32), "w_ptr": bf}
     out["moe_gate_up_fp32_bf16"] = stack_bytes(
         moe._moe_expert_gate_up_kernel, {**gu_sig, **{n: mixed[n] for n in gu_sig if n in mixed}},
-        dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_I=gu["BLOCK_I"], BLOCK_D=gu["BLOCK_D"]), num_warps=gu["num_warps"])
+        dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_I=gu["BLOCK_I"], BLOCK_D=gu["BLOCK_D"], PDL=True), num_warps=gu["num_warps"])
     out["moe_down_fp32_bf16"] = stack_bytes(
         moe._moe_expert_down_kernel, {**dn_sig, **{n: mixed[n] for n in dn_sig if n in mixed}},
-        dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"]), num_warps=dn["num_warps"])
+        dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"], PDL=True), num_warps=dn["num_warps"])
     out["decode_fp32"] = stack_bytes(kd._kda_decode_kernel, {**{n: (f32 if t == bf else t) for n, t in decode_sig.items()},
                                                              "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
                                      dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False),

@@ -394,10 +394,13 @@ def test_early_starts_only_when_nothing_is_copied_before_them(monkeypatch):
     fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, sw)
     fused_moe_decode(x, wr, bias.double(), 2, 2.446, True, gate_up, down, sw)  # the bias is copied to fp32
     fused_moe_decode(x.t().contiguous().t(), wr, bias, 2, 2.446, True, gate_up, down, sw)  # x is copied
-    assert seen == [True, True, False, False, False, False]
-    strided = (sw[0].t().contiguous().t(), sw[1], sw[2])  # the shared expert's gate weight would be copied
-    y = fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, strided)
-    assert seen[6:] == [False, False] and torch.equal(y, fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, sw))
+    assert seen == [True] * 3 + [False] * 6  # router, gate_up and down, per call
+    want = fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, sw)
+    for i in range(3):  # one of the shared expert's weights would be copied (just before gate_up or down)
+        strided = tuple(t.t().contiguous().t() if j == i else t for j, t in enumerate(sw))
+        del seen[:]
+        y = fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, strided)
+        assert seen == [False] * 3 and torch.equal(y, want)
     assert real(moe._moe_router_kernel, torch.device(DEV), True) == (
         dict(PDL=True, launch_pdl=True) if DEV == "cuda" and mt.compiled(moe._moe_router_kernel) else dict(PDL=False))
 
@@ -429,25 +432,37 @@ def test_model_moe_block_takes_the_fused_decode_path(monkeypatch):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("N", [1, 8])
-def test_gpu_early_starts_keep_the_bits(N):
-    """At 48B-A3B's shapes in bf16, behind a kernel that writes x (as the norm before the block does): the early
-    (PDL) launches give the plain launches' bits, eagerly and in CUDA graph replays with x rewritten each time."""
+@pytest.mark.parametrize("before", ["copy", "norm"])
+def test_gpu_early_starts_keep_the_bits(N, before):
+    """At 48B-A3B's shapes in bf16, behind a kernel that writes x: a plain copy, or the model's add+norm (which
+    lets the router launch as it starts): the early (PDL) launches give the plain launches' bits, eagerly and in
+    CUDA graph replays, each replay on new inputs (a launch that read x before the kernel before it wrote x would
+    see the last replay's x, or zeros)."""
+    from model.triton.norms import add_rmsnorm
     E, D, I, K = 256, 2304, 1024, 8
     x, wr, bias, gate_up, down, shared, sw = decode_inputs(N, D, I, E, K, N, True, torch.bfloat16)
-    src = x.clone()
-    idx, w = fused_router(x, wr, bias, K, 2.446, True)
-    ref = fused_moe_small_batch(x, idx, w, gate_up, down, sw)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    res, nw = torch.randn(N, D, generator=g, device=DEV).to(torch.bfloat16), torch.rand(D, generator=g, device=DEV)
+    ins = [torch.randn(N, D, generator=g, device=DEV).to(torch.bfloat16) for _ in range(4)]
+    buf = ins[0].clone()
 
     def block():
-        torch.mul(src, 1.0, out=x)  # the kernel just before the block writes its input
-        return fused_moe_decode(x, wr, bias, K, 2.446, True, gate_up, down, sw)
+        if before == "copy":
+            torch.mul(buf, 1.0, out=x)  # the kernel just before the block writes its input
+            return fused_moe_decode(x, wr, bias, K, 2.446, True, gate_up, down, sw)
+        return fused_moe_decode(add_rmsnorm(buf, res, nw, 1e-5)[0], wr, bias, K, 2.446, True, gate_up, down, sw)
 
+    refs = []
+    for t in ins:
+        src = t if before == "copy" else add_rmsnorm(t, res, nw, 1e-5)[0]
+        refs.append(fused_moe_small_batch(src, *fused_router(src, wr, bias, K, 2.446, True), gate_up, down, sw))
     x.zero_()
-    assert torch.equal(block(), ref)
+    assert torch.equal(block(), refs[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         gy = block()
-    for _ in range(3):
+    for t, ref in zip(ins[1:] + ins[:1], refs[1:] + refs[:1]):
+        buf.copy_(t)
         x.zero_()
         gy.zero_()
         graph.replay()

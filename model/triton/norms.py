@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 import model.triton as mt
+from triton.language.extra.cuda import gdc_launch_dependents
 
 
 @triton.jit
@@ -19,14 +20,19 @@ def _rms_normalize(x, D: tl.constexpr, eps):
 
 @triton.jit
 def _rmsnorm_kernel(x, res, gate, weight, y, res_out, N, stride_x, D: tl.constexpr, eps,
-                    BD: tl.constexpr, ROWS: tl.constexpr, ADD_RES: tl.constexpr, GATED: tl.constexpr):
+                    BD: tl.constexpr, ROWS: tl.constexpr, ADD_RES: tl.constexpr, GATED: tl.constexpr,
+                    SIGNAL: tl.constexpr):
     """y = rmsnorm(x) over rows of D. Grid (cdiv(N, ROWS),); tile [ROWS, BD] (BD = D padded to 2^n).
     x's rows are stride_x apart (a column slice of a wider tensor is read in place); the others are [N, D].
 
     ADD_RES: x <- x + res first, rounded to x's dtype and stored to res_out (the new residual).
     GATED:   y = x * rsqrt(mean(x^2) + eps) * weight * sigmoid(gate), all fp32, cast once (HF gated norm).
     else:    y = (x * rsqrt(mean(x^2) + eps)).to(x dtype) * weight, cast to y's dtype (HF RMSNorm).
+    SIGNAL (compiled, CUDA): lets a kernel launched after it with PDL start now (in decode, the MoE router, which
+    reads its weights while this runs and waits for y, `model.triton.moe`); a no-op before any other launch.
     """
+    if SIGNAL:
+        gdc_launch_dependents()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BD)
     mask = (rows < N)[:, None] & (cols < D)[None, :]
@@ -69,7 +75,8 @@ def _launch(x, weight, eps, *, res=None, gate=None, out_dtype):
         rows = max(1, min(16, 4096 // BD))  # about 4096 elements per program
         _rmsnorm_kernel[(triton.cdiv(N, rows),)](x_rows, res, gate, weight, y, res_out, N, x_rows.stride(0), D,
                                                  float(eps), BD=BD, ROWS=rows, ADD_RES=res is not None,
-                                                 GATED=gate is not None, num_warps=4 if BD <= 1024 else 8)
+                                                 GATED=gate is not None, SIGNAL=x.is_cuda and mt.compiled(_rmsnorm_kernel),
+                                                 num_warps=4 if BD <= 1024 else 8)
     return y, res_out
 
 
