@@ -39,7 +39,8 @@ and every record is INVALID with reason "peer unavailable: ...".
 `--ops moe_decode`: the batch-N decode MoE of 48B-A3B at its real shapes (random weights, one layer): the
 fused router (GEMV + top-k, one launch), the gate_up and down expert kernels, and the three in sequence
 (`moe_layer`, as `model.ops.moe` runs it), each against PyTorch forms of the same part in the same run (see MoeCase;
-`moe_layer_plain`: the block against its own launches without the early starts), with GB/s over the
+`moe_layer_plain`: the block against its own launches without the early starts; `moe_norm_layer`: the add+norm
+before the block and the block, against the same with the norm not letting the router start early), with GB/s over the
 bytes an ideal kernel reads, as a fraction of 4.25 TB/s and of the read ceiling measured in the run.
 These are timed by `graph_ms`, not do_bench: 32 layers' calls (each layer its own router, shared expert and
 routed experts) captured in one CUDA graph, as the model's decode step runs them.
@@ -758,11 +759,14 @@ def summarize(recs: list[dict]) -> None:
 MOE_E, MOE_D, MOE_I, MOE_K, MOE_SCALING = 256, 2304, 1024, 8, 2.446
 MOE_PEER = "torch-gather-einsum"
 NOMINAL_GBPS = 4250.0  # the H200's HBM figure the task is stated against; the measured read ceiling sits beside it
-MOE_PARTS = ("moe_router", "moe_gate_up", "moe_down", "moe_layer", "moe_layer_plain")
-# moe_layer_plain's peer: the model's MoE block (ours: its three launches started early, PDL) against the same three
-# launches issued plainly, so that the early starts are measured alone (the norm that lets the router start as it
-# starts is not in this graph: the e2e decode measures that)
+MOE_PARTS = ("moe_router", "moe_gate_up", "moe_down", "moe_layer", "moe_layer_plain", "moe_norm_layer")
+# moe_layer_plain's peer: the model's MoE block (ours: router and gate_up started early, PDL) against the same three
+# launches issued plainly, so that the early starts are measured alone
 MOE_PLAIN_PEER = "the same launches without PDL"
+# moe_norm_layer: the add+norm before the block and the block, as a decode step runs them (the norm lets the
+# router launch as it starts); its peer the same launches with the norm not signalling (the router then overlaps
+# only the norm's tail)
+MOE_NORM_PEER = "the same launches, the norm not signalling"
 
 
 def moe_sweep_grid() -> dict[str, list[dict]]:
@@ -809,6 +813,7 @@ class MoeCase:
     def __init__(self, N: int, device: str = "cuda"):
         import torch.nn.functional as F
         from model.triton import moe
+        from model.triton.norms import add_rmsnorm
         g = torch.Generator(device=device).manual_seed(N)
         self.device = device
         E, D, I, K, R = MOE_E, MOE_D, MOE_I, MOE_K, GRAPH_LAYERS
@@ -835,7 +840,10 @@ class MoeCase:
                       "moe_down": round(experts * D * I * 2)}
         self.bytes["moe_layer"] = sum(self.bytes.values())
         self.bytes["moe_layer_plain"] = self.bytes["moe_layer"]
+        # the norm's residual in, residual and normed rows out, and its weight
+        self.bytes["moe_norm_layer"] = self.bytes["moe_layer"] + (4 * N * D + D) * self.x.element_size()
         x, gu, dn = self.x, self.gate_up, self.down
+        res, nw = rnd(N, D, scale=1.0), rnd(D, scale=1.0)
 
         def parts(L, cfg):
             return {"moe_router": (lambda: moe.fused_router(x, L["wr"], L["bias"], K, MOE_SCALING, True, cfg),
@@ -845,10 +853,15 @@ class MoeCase:
                     "moe_down": (lambda: moe.expert_down(L["act"], L["idx"], L["w"], dn, L["sd"], cfg),
                                  lambda: torch_down(L["act"], L["idx"], L["w"], dn, L["sd"])),
                     "moe_layer": (lambda: ours_layer(L), lambda: peer_layer(L)),
-                    "moe_layer_plain": (lambda: ours_layer(L), lambda: plain_layer(L))}
+                    "moe_layer_plain": (lambda: ours_layer(L), lambda: plain_layer(L)),
+                    "moe_norm_layer": (lambda: norm_layer(L, True), lambda: norm_layer(L, False))}
 
         def ours_layer(L):  # as the model runs it (model.ops.moe)
             return moe.fused_moe_decode(x, L["wr"], L["bias"], K, MOE_SCALING, True, gu, dn, (L["sg"], L["su"], L["sd"]))
+
+        def norm_layer(L, signal):  # the add+norm before the block, then the block (model.layers.DecoderLayer.decode)
+            h = add_rmsnorm(x, res, nw, 1e-5, signal=signal)[0]
+            return moe.fused_moe_decode(h, L["wr"], L["bias"], K, MOE_SCALING, True, gu, dn, (L["sg"], L["su"], L["sd"]))
 
         def plain_layer(L):  # the same launches without the early starts
             idx, w = moe.fused_router(x, L["wr"], L["bias"], K, MOE_SCALING, True)
@@ -892,7 +905,7 @@ def moe_measure(case: MoeCase, part: str, cfg: dict | None, rep_ms: int, hbm_gbp
     ours_calls, peer_calls = case.calls(part, cfg)
     res["ours_ms"] = graph_ms(ours_calls)
     res["peer_ms"] = peer_ms if peer_ms is not None else graph_ms(peer_calls)
-    res["peer"] = MOE_PLAIN_PEER if part == "moe_layer_plain" else MOE_PEER
+    res["peer"] = {"moe_layer_plain": MOE_PLAIN_PEER, "moe_norm_layer": MOE_NORM_PEER}.get(part, MOE_PEER)
     res["bytes"], res["timing"] = case.bytes[part], graph_timing(GRAPH_LAYERS)
     for who in ("ours", "peer"):
         gbps = case.bytes[part] / (res[f"{who}_ms"] / 1e3) / 1e9

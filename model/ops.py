@@ -213,9 +213,9 @@ def moe_router(x, weight, bias, k: int, scaling: float, renorm: bool, weight_bf1
 
 def moe(x, gate, gate_up, down, shared=None):
     """The MoE block on tokens x [N, D]: routing by `gate` (a `layers.Router`), then `moe_experts`. Decode-sized
-    batches on Triton run it as `fused_moe_decode`, the same launches and bits, each started early (PDL): the
-    router reads its weights while the norm before it runs, the shared expert's gate_up streams while the router's
-    top-k runs, and down reads its first weight tiles while gate_up finishes (`model.triton.moe`)."""
+    batches on Triton run it as `fused_moe_decode`, the same launches and bits, with the router and the expert
+    gate_up started early (PDL): the router reads its weights while the norm before it runs, and the shared
+    expert's gate_up streams while the router's top-k runs (`model.triton.moe`)."""
     if _triton(x) and x.shape[0] <= SMALL_BATCH and not (gate.top_k & (gate.top_k - 1)):
         from .triton.moe import fused_moe_decode
         sw = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)

@@ -270,7 +270,7 @@ def test_moe_decode_bench_plumbing(records_dir, monkeypatch):
     assert [r["params"]["kernel"] for r in recs] == list(bk.MOE_PARTS) + [k for k, v in grid.items() for _ in v]
     assert all(r["verdict"] == "VALID" for r in recs), [r["reasons"] for r in recs]
     assert len(load(kinds="kernel", root=records_dir).records) == len(recs)
-    router, gate_up, down, layer, plain = (r["results"] for r in recs[:5])
+    router, gate_up, down, layer, plain, normed = (r["results"] for r in recs[:6])
     assert router["bytes"] == 16 * 64 * 4 and router["routing_mismatch_tokens"] == 0
     experts = gate_up["bytes"] / (2 * 32 * 64 * 2)  # distinct routed experts + the shared one, mean of the layers
     assert 4 + 1 <= experts <= 8 + 1 and down["bytes"] == pytest.approx(experts * 64 * 32 * 2, abs=1)
@@ -278,8 +278,11 @@ def test_moe_decode_bench_plumbing(records_dir, monkeypatch):
     assert layer["ours_gbps"] == pytest.approx(layer["bytes"] / 1e-5 / 1e9)
     assert layer["ours_frac_of_measured"] == pytest.approx(layer["ours_gbps"] / 4000.0)
     assert plain["rel_err_vs_peer"] == 0 and plain["peer"] == bk.MOE_PLAIN_PEER and plain["bytes"] == layer["bytes"]
-    assert recs[5]["params"]["sweep"] and recs[5]["params"]["cfg"] == grid["moe_gate_up"][0]
-    assert recs[6]["params"]["cfg"] == grid["moe_gate_up"][1] and recs[6]["results"]["timing"].startswith("cuda-graph")
+    # the norm before the block: its bits do not depend on whether it signals; its bytes on top of the block's
+    assert normed["rel_err_vs_peer"] == 0 and normed["peer"] == bk.MOE_NORM_PEER
+    assert normed["bytes"] == layer["bytes"] + (4 * 2 * 64 + 64) * 2
+    assert recs[6]["params"]["sweep"] and recs[6]["params"]["cfg"] == grid["moe_gate_up"][0]
+    assert recs[7]["params"]["cfg"] == grid["moe_gate_up"][1] and recs[7]["results"]["timing"].startswith("cuda-graph")
 
 
 def test_moe_sweep_grid_holds_the_defaults():

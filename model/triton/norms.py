@@ -50,7 +50,7 @@ def _rmsnorm_kernel(x, res, gate, weight, y, res_out, N, stride_x, D: tl.constex
     tl.store(y + off, b_y.to(y.dtype.element_ty), mask=mask)
 
 
-def _launch(x, weight, eps, *, res=None, gate=None, out_dtype):
+def _launch(x, weight, eps, *, res=None, gate=None, out_dtype, signal=True):
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"rmsnorm: weight must be [{D}] (the last dim of x), got {tuple(weight.shape)}")
@@ -75,7 +75,8 @@ def _launch(x, weight, eps, *, res=None, gate=None, out_dtype):
         rows = max(1, min(16, 4096 // BD))  # about 4096 elements per program
         _rmsnorm_kernel[(triton.cdiv(N, rows),)](x_rows, res, gate, weight, y, res_out, N, x_rows.stride(0), D,
                                                  float(eps), BD=BD, ROWS=rows, ADD_RES=res is not None,
-                                                 GATED=gate is not None, SIGNAL=x.is_cuda and mt.compiled(_rmsnorm_kernel),
+                                                 GATED=gate is not None,
+                                                 SIGNAL=signal and x.is_cuda and mt.compiled(_rmsnorm_kernel),
                                                  num_warps=4 if BD <= 1024 else 8)
     return y, res_out
 
@@ -93,8 +94,9 @@ def gated_rmsnorm(o, gate, weight, eps):
     return _launch(o, weight, eps, gate=gate, out_dtype=o.dtype)[0]
 
 
-def add_rmsnorm(x, residual, weight, eps):
-    """new_residual = x + residual (in x's dtype); returns (rmsnorm(new_residual, weight, eps), new_residual)."""
+def add_rmsnorm(x, residual, weight, eps, signal: bool = True):
+    """new_residual = x + residual (in x's dtype); returns (rmsnorm(new_residual, weight, eps), new_residual).
+    `signal=False` launches the kernel without SIGNAL (the benchmark's peer, to measure what SIGNAL buys)."""
     if residual.dtype != x.dtype:
         raise TypeError(f"add_rmsnorm: residual dtype {residual.dtype} differs from x dtype {x.dtype}")
-    return _launch(x, weight, eps, res=residual, out_dtype=torch.promote_types(x.dtype, weight.dtype))
+    return _launch(x, weight, eps, res=residual, out_dtype=torch.promote_types(x.dtype, weight.dtype), signal=signal)
