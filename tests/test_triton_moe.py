@@ -12,6 +12,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from hypothesis import given, strategies as st  # noqa: E402
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents, globaltimer  # noqa: E402
+
 import model.triton as mt  # noqa: E402
 from model import ops  # noqa: E402
 from model.layers import MLP  # noqa: E402
@@ -465,6 +469,54 @@ def test_gpu_early_starts_keep_the_bits(N, before):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(gy, ref)
+
+
+@triton.jit
+def _late_copy_kernel(src, dst, n, DELAY_NS: tl.constexpr, BLOCK: tl.constexpr):
+    """dst <- src, stored DELAY_NS after the program starts, which first lets a launch made after it with PDL start."""
+    gdc_launch_dependents()
+    t0 = globaltimer()
+    while globaltimer() - t0 < DELAY_NS:
+        pass
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+
+def late_copy(src: torch.Tensor, dst: torch.Tensor, delay_us: int = 50) -> None:
+    _late_copy_kernel[(triton.cdiv(src.numel(), 1024),)](src, dst, src.numel(), DELAY_NS=delay_us * 1000, BLOCK=1024)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("launch", ["router", "gate_up"])
+def test_gpu_early_launches_wait_for_the_kernel_before(launch):
+    """Each early (PDL) launch reads what the kernel just before it writes only once that kernel has finished:
+    behind a kernel that lets it start at once and stores its input 50 us later, it gives the plain launch's result.
+    The bit tests above pass even without the waits (the kernel before them is too quick to lose the race: checked
+    on the H200 with each wait removed), so this one holds them: with the router's or gate_up's wait removed it
+    fails (checked on the H200 the same way)."""
+    from model.triton import moe
+    E, D, I, K = 256, 2304, 1024, 8
+    x, wr, bias, gate_up, down, shared, sw = decode_inputs(1, D, I, E, K, 1, True, torch.bfloat16)
+    idx, w = fused_router(x, wr, bias, K, 2.446, True)
+    if launch == "router":
+        ref, dst = (idx, w), torch.zeros_like(x)
+
+        def run():
+            late_copy(x, dst)
+            return moe.fused_router(dst, wr, bias, K, 2.446, True, early=True)
+    else:
+        ref, dst = (moe.expert_gate_up(x, idx, gate_up, sw[:2]),), torch.zeros_like(idx)
+
+        def run():
+            late_copy(idx, dst)
+            return (moe.expert_gate_up(x, dst, gate_up, sw[:2], early=True),)
+    for _ in range(3):
+        dst.zero_()
+        out = run()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
 def test_arrival_counters_are_one_buffer_made_once():
