@@ -27,6 +27,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
 
 
+_REAL_EMPTY = mt.empty  # the early-start tests need it: a poisoning fill would be a kernel between two launches
+
+
 def _nan_empty(*shape, dtype, device):
     t = torch.empty(*shape, dtype=dtype, device=device)
     return t.fill_(-1) if not (dtype.is_floating_point or dtype.is_complex) else t.fill_(float("nan"))
@@ -434,12 +437,14 @@ def test_model_moe_block_takes_the_fused_decode_path(monkeypatch):
 @gpu
 @pytest.mark.parametrize("N", [1, 8])
 @pytest.mark.parametrize("before", ["copy", "norm"])
-def test_gpu_early_starts_keep_the_bits(N, before):
+def test_gpu_early_starts_keep_the_bits(N, before, monkeypatch):
     """At 48B-A3B's shapes in bf16, behind a kernel that writes x: a plain copy, or the model's add+norm (which
     lets the router launch as it starts): the early (PDL) launches give the plain launches' bits, eagerly and in
     CUDA graph replays, each replay on new inputs (a router that read x before the kernel before it wrote x would
-    see the last replay's x, or zeros)."""
+    see the last replay's x, or zeros). Buffers come unpoisoned, as in the model: a fill kernel between two
+    launches would be the one the second waits for."""
     from model.triton.norms import add_rmsnorm
+    monkeypatch.setattr(mt, "empty", _REAL_EMPTY)
     E, D, I, K = 256, 2304, 1024, 8
     x, wr, bias, gate_up, down, shared, sw = decode_inputs(N, D, I, E, K, N, True, torch.bfloat16)
     g = torch.Generator(device=DEV).manual_seed(7)
@@ -490,13 +495,13 @@ def late_copy(src: torch.Tensor, dst: torch.Tensor, delay_us: int = 50) -> None:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("launch", ["router", "gate_up"])
-def test_gpu_early_launches_wait_for_the_kernel_before(launch):
+def test_gpu_early_launches_wait_for_the_kernel_before(launch, monkeypatch):
     """Each early (PDL) launch reads what the kernel just before it writes only once that kernel has finished:
     behind a kernel that lets it start at once and stores its input 50 us later, it gives the plain launch's result.
-    The bit tests above pass even without the waits (the kernel before them is too quick to lose the race: checked
-    on the H200 with each wait removed), so this one holds them: with the router's or gate_up's wait removed it
-    fails (checked on the H200 the same way)."""
+    Unpoisoned buffers, as in the model: with the test module's NaN-filled ones, the fill kernel before the launch
+    is what it waits for, and this test passed on the H200 with the router's or gate_up's wait removed."""
     from model.triton import moe
+    monkeypatch.setattr(mt, "empty", _REAL_EMPTY)
     E, D, I, K = 256, 2304, 1024, 8
     x, wr, bias, gate_up, down, shared, sw = decode_inputs(1, D, I, E, K, 1, True, torch.bfloat16)
     idx, w = fused_router(x, wr, bias, K, 2.446, True)
