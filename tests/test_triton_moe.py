@@ -497,7 +497,8 @@ def late_copy(src: torch.Tensor, dst: torch.Tensor, delay_us: int = 50) -> None:
 @pytest.mark.parametrize("launch", ["router", "gate_up"])
 def test_gpu_early_launches_wait_for_the_kernel_before(launch, monkeypatch):
     """Each early (PDL) launch reads what the kernel just before it writes only once that kernel has finished:
-    behind a kernel that lets it start at once and stores its input 50 us later, it gives the plain launch's result.
+    behind a kernel that lets it start at once and stores its input 50 us later, it gives the plain launch's result,
+    eagerly and in CUDA graph replays.
     Unpoisoned buffers, as in the model: with the test module's NaN-filled ones, the fill kernel before the launch
     is what it waits for, and this test passed on the H200 with the router's or gate_up's wait removed."""
     from model.triton import moe
@@ -520,6 +521,16 @@ def test_gpu_early_launches_wait_for_the_kernel_before(launch, monkeypatch):
     for _ in range(3):
         dst.zero_()
         out = run()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    graph = torch.cuda.CUDAGraph()  # as the decode step runs them
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(3):
+        dst.zero_()
+        for t in out:
+            t.zero_()
+        graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
