@@ -7,11 +7,18 @@ library names leak into them (fla's and flash-attention's kernels are cutlass te
 kernel may be a "gemv", a Triton cast kernel is also "pointwise").
 
 `decompose(events, steps)` turns the GPU kernel events of `steps` decode steps into the figures a
-`decomposition` record carries: per-category shares of kernel time, the GPU idle fraction between
-kernels, and the time per step.
+`decomposition` record carries: per-category shares of kernel time and of exclusive time (below), the GPU idle
+fraction between kernels, and the time per step.
+
+Exclusive time: kernels overlap when one is launched early (PDL: the MoE router and gate_up start while the kernel
+before them runs, and wait inside), so a kernel's own duration counts its waiting too and the durations sum past
+the busy time. `exclusive_lengths` gives every instant of busy time to one kernel, the earliest-started of those
+running then: a launch that starts early gets only the time after the kernels it overlaps have ended. Exclusive
+times sum to the busy time.
 """
 from __future__ import annotations
 
+import heapq
 import re
 from collections.abc import Iterable
 
@@ -56,6 +63,27 @@ def categorize(name: str) -> str:
     return OTHER
 
 
+def exclusive_lengths(intervals: list[tuple[float, float]]) -> list[float]:
+    """Per (start, end) interval, the time in which it is the earliest-started of the intervals running (ties: the
+    one listed first). The lengths sum to the length of the intervals' union."""
+    order = sorted(range(len(intervals)), key=lambda i: (intervals[i][0], i))
+    out = [0.0] * len(intervals)
+    running: list[tuple[float, int, float]] = []  # (start, index, end), earliest start on top; ended ones linger
+    k, prev = 0, None
+    for t in sorted({t for iv in intervals for t in iv}):
+        if prev is not None:
+            while running and running[0][2] <= prev:
+                heapq.heappop(running)
+            if running:  # the top started earliest and runs through (prev, t): no boundary lies between
+                out[running[0][1]] += t - prev
+        while k < len(order) and intervals[order[k]][0] <= t:
+            i = order[k]
+            heapq.heappush(running, (intervals[i][0], i, intervals[i][1]))
+            k += 1
+        prev = t
+    return out
+
+
 def _union_length(intervals: list[tuple[float, float]]) -> float:
     total, cur_start, cur_end = 0.0, None, None
     for start, end in sorted(intervals):
@@ -75,14 +103,15 @@ def decompose(events: Iterable[tuple[str, float, float]], steps: int) -> dict:
 
     Returns `shares` {category: fraction of summed kernel time} over every category in CATEGORY_NAMES
     (summing to 1; with concurrent streams summed kernel time exceeds busy time, and shares of the sum
-    keep the categories comparable), `idle_fraction` = (wall span - union of busy intervals) / wall
+    keep the categories comparable), `exclusive_shares` {category: fraction of busy time, by
+    `exclusive_lengths`} (summing to 1), `idle_fraction` = (wall span - union of busy intervals) / wall
     span (the host-bound gaps the seed measured at ~15%), `step_ms` = wall span / steps, plus the raw
     `kernel_us`, `busy_us`, `wall_us`, `steps` and `n_kernels`.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     per_cat = dict.fromkeys(CATEGORY_NAMES, 0.0)
-    intervals = []
+    intervals, cats = [], []
     for i, event in enumerate(events):
         try:
             name, start, dur = event
@@ -90,7 +119,8 @@ def decompose(events: Iterable[tuple[str, float, float]], steps: int) -> dict:
             raise ValueError(f"event {i} must be (name, start_us, duration_us), got {event!r}") from None
         if not dur >= 0:
             raise ValueError(f"event {i} ({name!r}) has a negative or NaN duration: {dur!r}")
-        per_cat[categorize(name)] += float(dur)
+        cats.append(categorize(name))
+        per_cat[cats[-1]] += float(dur)
         intervals.append((float(start), float(start) + float(dur)))
     if not intervals:
         raise ValueError("no kernel events to decompose")
@@ -99,8 +129,12 @@ def decompose(events: Iterable[tuple[str, float, float]], steps: int) -> dict:
         raise ValueError("all kernel events have zero duration")
     wall_us = max(e for _, e in intervals) - min(s for s, _ in intervals)
     busy_us = _union_length(intervals)
+    excl = dict.fromkeys(CATEGORY_NAMES, 0.0)
+    for cat, t in zip(cats, exclusive_lengths(intervals)):
+        excl[cat] += t
     return {
         "shares": {cat: t / kernel_us for cat, t in per_cat.items()},
+        "exclusive_shares": {cat: t / busy_us for cat, t in excl.items()},
         "idle_fraction": (wall_us - busy_us) / wall_us,
         "step_ms": wall_us / steps / 1000.0,
         "kernel_us": kernel_us,

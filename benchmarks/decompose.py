@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from benchmarks.categories import categorize, decompose
+from benchmarks.categories import categorize, decompose, exclusive_lengths
 from benchmarks.timing import log, summarize, sync, time_steps
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -77,14 +77,19 @@ def trace_events(trace: dict, device_type: str) -> list[dict]:
 
 
 def top_kernels(events: list[dict], steps: int, n: int = TOP_KERNELS) -> list[dict]:
+    """The n kernels with the most time, with their exclusive time too (`categories.exclusive_lengths`: a kernel
+    launched early, PDL, loses the part it spent beside the kernel before it)."""
     total = sum(e["dur"] for e in events) or 1.0
-    agg = defaultdict(lambda: [0.0, 0])
-    for e in events:
+    excl = exclusive_lengths([(e["ts"], e["ts"] + e["dur"]) for e in events])
+    agg = defaultdict(lambda: [0.0, 0, 0.0])
+    for e, x in zip(events, excl):
         agg[e["name"]][0] += e["dur"]
         agg[e["name"]][1] += 1
+        agg[e["name"]][2] += x
     rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:n]
     return [{"name": name[:200], "category": categorize(name), "us_per_step": us / steps,
-             "calls_per_step": calls / steps, "share": us / total} for name, (us, calls) in rows]
+             "exclusive_us_per_step": x / steps, "calls_per_step": calls / steps, "share": us / total}
+            for name, (us, calls, x) in rows]
 
 
 def write_trace(trace: dict, device_type: str, path: Path) -> int:
@@ -168,7 +173,8 @@ def summarize_trace(events: list[dict], steps: int, mode: str, layers: int) -> t
     if not events:
         return {"kernels_per_step": 0.0}, ["the trace holds no device events to decompose"]
     d = decompose([(e["name"], e["ts"], e["dur"]) for e in events], steps)
-    return {"kernels_per_step": per_step, "shares": d["shares"], "idle_fraction": d["idle_fraction"],
+    return {"kernels_per_step": per_step, "shares": d["shares"], "exclusive_shares": d["exclusive_shares"],
+            "idle_fraction": d["idle_fraction"],
             "step_ms": d["step_ms"], "kernel_us": d["kernel_us"], "busy_us": d["busy_us"], "wall_us": d["wall_us"],
             "n_kernels": d["n_kernels"], "top_kernels": top_kernels(events, steps)}, []
 

@@ -2,8 +2,9 @@
 import math
 
 import pytest
+from hypothesis import given, strategies as st
 
-from benchmarks.categories import CATEGORY_NAMES, categorize, decompose
+from benchmarks.categories import CATEGORY_NAMES, _union_length, categorize, decompose, exclusive_lengths
 
 # Names as the PyTorch profiler reports them (shortened where the template tail does not matter).
 NAMES = {
@@ -120,3 +121,29 @@ def test_decompose_no_gaps_is_zero_idle():
 def test_decompose_rejects_bad_input(events, steps, match):
     with pytest.raises(ValueError, match=match):
         decompose(events, steps)
+
+
+def test_exclusive_time_gives_an_early_launch_only_what_follows_the_kernel_it_overlaps():
+    # b launched early (PDL) at 5 while a runs to 10, then b runs to 20: a keeps [0, 10], b gets [10, 20]
+    d = decompose([("rmsnorm_kernel", 0, 10), ("moe_router_kernel", 5, 15)], steps=1)
+    assert d["kernel_us"] == 25 and d["busy_us"] == 20
+    assert d["shares"]["norm"] == pytest.approx(10 / 25) and d["shares"]["moe_routing"] == pytest.approx(15 / 25)
+    assert d["exclusive_shares"]["norm"] == pytest.approx(0.5) and d["exclusive_shares"]["moe_routing"] == pytest.approx(0.5)
+    assert math.fsum(d["exclusive_shares"].values()) == pytest.approx(1.0)
+
+
+def test_exclusive_lengths_nested_tied_and_disjoint():
+    assert exclusive_lengths([(10, 15), (0, 40)]) == [0.0, 40.0]            # inside another: nothing of its own
+    assert exclusive_lengths([(0, 10), (0, 20)]) == [10.0, 10.0]            # same start: the one listed first
+    assert exclusive_lengths([(0, 10), (20, 25), (25, 30)]) == [10.0, 5.0, 5.0]  # disjoint: their durations
+    assert exclusive_lengths([(0, 0), (0, 5)]) == [0.0, 5.0]
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 30)), min_size=1, max_size=30))
+def test_exclusive_lengths_partition_the_busy_time(spans):
+    intervals = [(float(s), float(s + d)) for s, d in spans]
+    excl = exclusive_lengths(intervals)
+    assert math.fsum(excl) == pytest.approx(_union_length(intervals))
+    assert all(0 <= x <= e - s for x, (s, e) in zip(excl, intervals))
+    starts = sorted(range(len(intervals)), key=lambda i: (intervals[i][0], i))
+    assert excl[starts[0]] == intervals[starts[0]][1] - intervals[starts[0]][0]  # the first to start loses nothing
