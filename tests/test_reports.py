@@ -1,4 +1,5 @@
 """reports/render.py on the fixture history (tests/fixtures/records, written by tests/fixtures/make_history.py)."""
+import copy
 import importlib.util
 import re
 import shutil
@@ -343,3 +344,17 @@ def test_gate_rows_say_what_each_gate_was_judged_against():
     assert render.gate_reference(a) == "recompute path"
     assert render.gate_reference(self_b) == "golden: self-recompute fp32 cuda"
     assert render.gate_reference(old_b) == "golden (not recorded)"
+
+
+def test_decomposition_table_shows_exclusive_shares_where_the_record_has_them(fixture_records, tmp_path):
+    decomp = the(fixture_records, lambda r: r["kind"] == "decomposition")
+    plain = render.decomposition_section([decomp], tmp_path)
+    table = next(b for b in plain.blocks if isinstance(b, render.Table))
+    assert table.header == ["category", "ours", render.SEED_LABEL]
+    excl = dict.fromkeys(decomp["results"]["shares"], 0.0) | {"gemm": 0.625, "kda": 0.375}
+    with_excl = copy.deepcopy(decomp)
+    with_excl["results"]["exclusive_shares"] = excl
+    table = next(b for b in render.decomposition_section([with_excl], tmp_path).blocks if isinstance(b, render.Table))
+    assert table.header[-1] == "ours, exclusive time"
+    rows = {r[0]: r for r in table.rows}
+    assert rows["gemm"][-1] == "62.5%" and rows["kda"][-1] == "37.5%" and rows["ms per step"][-1] == "—"
