@@ -18,7 +18,6 @@ times sum to the busy time.
 """
 from __future__ import annotations
 
-import heapq
 import re
 from collections.abc import Iterable
 
@@ -65,22 +64,14 @@ def categorize(name: str) -> str:
 
 def exclusive_lengths(intervals: list[tuple[float, float]]) -> list[float]:
     """Per (start, end) interval, the time in which it is the earliest-started of the intervals running (ties: the
-    one listed first). The lengths sum to the length of the intervals' union."""
-    order = sorted(range(len(intervals)), key=lambda i: (intervals[i][0], i))
+    one listed first): the part of it past the latest end of every interval that started before it. The lengths
+    sum to the length of the intervals' union."""
     out = [0.0] * len(intervals)
-    running: list[tuple[float, int, float]] = []  # (start, index, end), earliest start on top; ended ones linger
-    k, prev = 0, None
-    for t in sorted({t for iv in intervals for t in iv}):
-        if prev is not None:
-            while running and running[0][2] <= prev:
-                heapq.heappop(running)
-            if running:  # the top started earliest and runs through (prev, t): no boundary lies between
-                out[running[0][1]] += t - prev
-        while k < len(order) and intervals[order[k]][0] <= t:
-            i = order[k]
-            heapq.heappush(running, (intervals[i][0], i, intervals[i][1]))
-            k += 1
-        prev = t
+    covered = float("-inf")  # the latest end among the intervals taken so far
+    for i in sorted(range(len(intervals)), key=lambda i: (intervals[i][0], i)):
+        start, end = intervals[i]
+        out[i] = max(0.0, end - max(start, covered))
+        covered = max(covered, end)
     return out
 
 
@@ -106,7 +97,7 @@ def decompose(events: Iterable[tuple[str, float, float]], steps: int) -> dict:
     keep the categories comparable), `exclusive_shares` {category: fraction of busy time, by
     `exclusive_lengths`} (summing to 1), `idle_fraction` = (wall span - union of busy intervals) / wall
     span (the host-bound gaps the seed measured at ~15%), `step_ms` = wall span / steps, plus the raw
-    `kernel_us`, `busy_us`, `wall_us`, `steps` and `n_kernels`.
+    `kernel_us`, `busy_us`, `wall_us`, `steps` and `n_kernels`, and `exclusive_us`, each event's exclusive time.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -129,8 +120,9 @@ def decompose(events: Iterable[tuple[str, float, float]], steps: int) -> dict:
         raise ValueError("all kernel events have zero duration")
     wall_us = max(e for _, e in intervals) - min(s for s, _ in intervals)
     busy_us = _union_length(intervals)
+    exclusive_us = exclusive_lengths(intervals)
     excl = dict.fromkeys(CATEGORY_NAMES, 0.0)
-    for cat, t in zip(cats, exclusive_lengths(intervals)):
+    for cat, t in zip(cats, exclusive_us):
         excl[cat] += t
     return {
         "shares": {cat: t / kernel_us for cat, t in per_cat.items()},
@@ -142,4 +134,5 @@ def decompose(events: Iterable[tuple[str, float, float]], steps: int) -> dict:
         "wall_us": wall_us,
         "steps": steps,
         "n_kernels": len(intervals),
+        "exclusive_us": exclusive_us,  # per event, in the order given
     }

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from benchmarks.categories import categorize, decompose, exclusive_lengths
+from benchmarks.categories import categorize, decompose
 from benchmarks.timing import log, summarize, sync, time_steps
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -76,11 +76,10 @@ def trace_events(trace: dict, device_type: str) -> list[dict]:
     return leaf_ops([e for e in evs if e.get("cat") == "cpu_op"])
 
 
-def top_kernels(events: list[dict], steps: int, n: int = TOP_KERNELS) -> list[dict]:
-    """The n kernels with the most time, with their exclusive time too (`categories.exclusive_lengths`: a kernel
-    launched early, PDL, loses the part it spent beside the kernel before it)."""
+def top_kernels(events: list[dict], steps: int, excl: list[float], n: int = TOP_KERNELS) -> list[dict]:
+    """The n kernels with the most time, with their exclusive time too (excl, per event: `decompose`'s
+    `exclusive_us`; a kernel launched early, PDL, loses the part it spent beside the kernel before it)."""
     total = sum(e["dur"] for e in events) or 1.0
-    excl = exclusive_lengths([(e["ts"], e["ts"] + e["dur"]) for e in events])
     agg = defaultdict(lambda: [0.0, 0, 0.0])
     for e, x in zip(events, excl):
         agg[e["name"]][0] += e["dur"]
@@ -176,7 +175,7 @@ def summarize_trace(events: list[dict], steps: int, mode: str, layers: int) -> t
     return {"kernels_per_step": per_step, "shares": d["shares"], "exclusive_shares": d["exclusive_shares"],
             "idle_fraction": d["idle_fraction"],
             "step_ms": d["step_ms"], "kernel_us": d["kernel_us"], "busy_us": d["busy_us"], "wall_us": d["wall_us"],
-            "n_kernels": d["n_kernels"], "top_kernels": top_kernels(events, steps)}, []
+            "n_kernels": d["n_kernels"], "top_kernels": top_kernels(events, steps, d["exclusive_us"])}, []
 
 
 def shown_path(path: Path) -> str:

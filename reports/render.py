@@ -427,15 +427,13 @@ def decomposition_section(decomps: list[dict], out: Path) -> Section:
     src = f"ours: {cite([ours])}; seed bar: {SEED_CITATION}"
     s.blocks.append(Figure(save(fig, out, "decomposition"), "decode decomposition, ours vs seed", src))
     # exclusive shares (of busy time; a kernel launched early is not charged for its wait), where the record has them
-    excl = get(ours, "results.exclusive_shares", None)
-    extra = [] if excl is None else [[fmt(excl.get(c), ".1%")] for c in cats] + [["—"], ["—"]]
-    rows = ([[c, fmt(shares.get(c), ".1%"), fmt(SEED_SHARES.get(c), ".1%")] for c in cats]
-            + [["idle (of wall time)", fmt(get(ours, "results.idle_fraction"), ".1%"), f"{SEED_IDLE:.0%}"],
-               ["ms per step", fmt(get(ours, "results.step_ms")), "—"]])
-    head = ["category", "ours", SEED_LABEL]
-    if extra:
-        head, rows = head + ["ours, exclusive time"], [r + x for r, x in zip(rows, extra)]
-    s.blocks.append(Table(head, rows, src))
+    excl = get(ours, "results.exclusive_shares")
+    rows = [[c, fmt(shares.get(c), ".1%"), fmt(SEED_SHARES.get(c), ".1%")] + ([fmt(excl.get(c), ".1%")] if excl else [])
+            for c in cats]
+    rows += [row + (["—"] if excl else []) for row in (
+        ["idle (of wall time)", fmt(get(ours, "results.idle_fraction"), ".1%"), f"{SEED_IDLE:.0%}"],
+        ["ms per step", fmt(get(ours, "results.step_ms")), "—"])]
+    s.blocks.append(Table(["category", "ours", SEED_LABEL] + (["ours, exclusive time"] if excl else []), rows, src))
     return s
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 import model.triton as mt
-from triton.language.extra.cuda import gdc_launch_dependents
 
 
 @triton.jit
