@@ -54,26 +54,45 @@ PREFILL_WARMUP = 2  # prefills before timing: Triton compiles, cuBLAS / cutlass 
 TOP_KERNELS = 15
 
 
-def leaf_ops(events: list[dict]) -> list[dict]:
-    """CPU operators that contain no other operator of their thread (ops nest properly within a thread)."""
+def self_time_ops(events: list[dict]) -> list[dict]:
+    """CPU operators' own time: each operator as the parts of its span that none of its children covers (ops nest
+    properly within a thread), so that time spent in an operator's body counts even where it also calls a trivial
+    child. (Innermost operators alone missed it: in torch 2.13 a CPU aten::mm's only child is a sub-microsecond
+    aten::resolve_conj, and the matmul's own time was dropped.) The parts never overlap within a thread and sum to
+    the thread's outermost operators' time."""
     by_thread = defaultdict(list)
     for e in events:
         by_thread[(e.get("pid"), e.get("tid"))].append(e)
-    leaves = []
+    parts = []
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        for a, b in zip(evs, evs[1:] + [None]):
-            if b is None or b["ts"] >= a["ts"] + a["dur"]:
-                leaves.append(a)
-    return leaves
+        stack = []  # [event, where its uncovered time resumes]
+
+        def close(upto):  # pop the operators that end by `upto`, each with its last uncovered part
+            while stack and stack[-1][0]["ts"] + stack[-1][0]["dur"] <= upto:
+                e, t = stack.pop()
+                end = e["ts"] + e["dur"]
+                if end > t:
+                    parts.append({**e, "ts": t, "dur": end - t})
+                if stack:
+                    stack[-1][1] = end
+        for e in evs:
+            close(e["ts"])
+            if stack:  # e is a child: its parent's part up to here is the parent's own time
+                p = stack[-1]
+                if e["ts"] > p[1]:
+                    parts.append({**p[0], "ts": p[1], "dur": e["ts"] - p[1]})
+            stack.append([e, e["ts"]])
+        close(float("inf"))
+    return parts
 
 
 def trace_events(trace: dict, device_type: str) -> list[dict]:
-    """The events that stand for device work: GPU kernels/copies/fills on CUDA, leaf operators on a CPU."""
+    """The events that stand for device work: GPU kernels/copies/fills on CUDA, operators' own time on a CPU."""
     evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     if device_type == "cuda":
         return [e for e in evs if e.get("cat") in GPU_CATS]
-    return leaf_ops([e for e in evs if e.get("cat") == "cpu_op"])
+    return self_time_ops([e for e in evs if e.get("cat") == "cpu_op"])
 
 
 def top_kernels(events: list[dict], steps: int, excl: list[float], n: int = TOP_KERNELS) -> list[dict]:

@@ -2,9 +2,11 @@
 bench_e2e and decompose end to end (tiny preset), with negative controls for what makes a record INVALID."""
 import gzip
 import json
+from collections import defaultdict
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, strategies as st
 import torch
 
 from benchmarks import bench_e2e, decompose, roofline
@@ -232,11 +234,49 @@ def test_decompose_prefill_quick(records_dir, tmp_path):
     assert q["kernels_per_step"] > 27
 
 
-def test_leaf_ops_keep_only_innermost():
+def test_self_time_ops_split_each_operator_around_its_children():
     ev = [dict(name="aten::linear", ts=0, dur=10, pid=1, tid=1), dict(name="aten::mm", ts=1, dur=8, pid=1, tid=1),
-          dict(name="aten::add", ts=12, dur=2, pid=1, tid=1), dict(name="aten::mm", ts=0, dur=5, pid=1, tid=2)]
-    leaves = decompose.leaf_ops(ev)
-    assert sorted((e["name"], e["tid"]) for e in leaves) == [("aten::add", 1), ("aten::mm", 1), ("aten::mm", 2)]
+          dict(name="aten::resolve_conj", ts=2, dur=1, pid=1, tid=1), dict(name="aten::add", ts=12, dur=2, pid=1, tid=1),
+          dict(name="aten::mm", ts=0, dur=5, pid=1, tid=2)]
+    parts = decompose.self_time_ops(ev)
+    got = sorted((e["tid"], e["ts"], e["dur"], e["name"]) for e in parts)
+    assert got == [(1, 0, 1, "aten::linear"), (1, 1, 1, "aten::mm"), (1, 2, 1, "aten::resolve_conj"),
+                   (1, 3, 6, "aten::mm"), (1, 9, 1, "aten::linear"), (1, 12, 2, "aten::add"), (2, 0, 5, "aten::mm")]
+    # the parts sum to the outermost operators' time: 10 + 2 on thread 1, 5 on thread 2
+    assert sum(e["dur"] for e in parts) == 17
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=12))
+def test_self_time_ops_partition_the_outermost_spans(shape):
+    """Random nestings (each operator (children, own time) in a depth-first layout): the parts never overlap
+    and sum to the outermost operators' time, and each operator keeps exactly its own time."""
+    ev, t, own = [], 0.0, {}
+
+    def build(i, depth):  # lays out operator i and its children from t; returns the next unused operator
+        nonlocal t
+        kids, mine = shape[i]
+        start, name = t, f"op{i}"
+        ev.append(dict(name=name, ts=start, pid=1, tid=1))
+        t += mine / 2
+        j = i + 1
+        for _ in range(kids if depth < 3 else 0):
+            if j >= len(shape):
+                break
+            j = build(j, depth + 1)
+        t += mine - mine / 2
+        ev[[e["name"] for e in ev].index(name)]["dur"] = t - start
+        own[name] = mine
+        return j
+    i = 0
+    while i < len(shape):
+        i = build(i, 0)
+        t += 1.0
+    parts = sorted(decompose.self_time_ops(ev), key=lambda e: e["ts"])
+    assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-9 for a, b in zip(parts, parts[1:]))
+    mine = defaultdict(float)
+    for e in parts:
+        mine[e["name"]] += e["dur"]
+    assert dict(mine) == pytest.approx(own)
 
 
 def test_graph_trace_without_kernels_is_invalid():
@@ -491,7 +531,7 @@ def test_decode_case_times_both_sides_in_graphs(monkeypatch):
 
 
 def test_kernel_ms_sums_the_work_of_one_call():
-    """`kernel_ms` on the CPU (leaf operators stand for kernels): a call of two matmuls takes about twice the
+    """`kernel_ms` on the CPU (operators' own time stands for kernels): a call of two matmuls takes about twice the
     time of a call of one, and nothing is counted from outside the calls."""
     from benchmarks import bench_kernels as bk
     a = torch.randn(384, 384)
@@ -524,9 +564,36 @@ def test_moe_rows_case_flags_grouped_gemms_that_compute_something_else(records_d
     monkeypatch.setattr(bk, "DTYPE", torch.float32)
     monkeypatch.setattr(bk, "gpu_ms", lambda fn, rep_ms: (fn(), 0.02)[1])
     real = ops.grouped_mm
-    monkeypatch.setattr(ops, "grouped_mm", lambda a, b, offs: real(a, b, offs) * 1.05)
+    monkeypatch.setattr(ops, "grouped_mm", lambda a, b, offs, replicas=None: real(a, b, offs) * 1.05)
     rec = bk.moe_rows_case(64, 1, device="cpu", preset="tiny")
     assert rec["verdict"] == "INVALID" and "differ from per-expert torch.mm" in rec["reasons"][0]
+
+
+def test_moe_tiles_case_plumbing_and_check(records_dir, monkeypatch):
+    """`moe_tiles_case` on the CPU at `tiny` (fake clock): one record, both tile choices timed on the same inputs
+    and their outputs compared; a split that pairs rows with the wrong expert is flagged INVALID."""
+    from benchmarks import bench_kernels as bk
+    from model import ops
+    from records import store
+    monkeypatch.setattr(bk, "DTYPE", torch.float32)
+    monkeypatch.setattr(bk, "gpu_ms", lambda fn, rep_ms: (fn(), 0.02)[1])
+    rec = bk.moe_tiles_case(64, 1, 2, device="cpu", preset="tiny")
+    x = rec["results"]
+    assert rec["verdict"] == "VALID", rec["reasons"]
+    assert x["ours_ms"] == x["peer_ms"] == 0.02 and x["peer"] == bk.TILE_PEER and rec["params"]["replicas"] == 2
+    assert x["bits_equal"] and x["rel_err_vs_peer"] == 0 and x["groups"] == 2 * 7 + 1 and x["model_replicas"] == 1
+    assert [r["id"] for r in store.load("kernel").records] == [rec["id"]]
+    real = ops.tile_groups
+
+    def off_by_one_group(b, offs, r):  # expert e's rows in the empty group after it: against the wrong weights
+        view, o = real(b, offs, r)
+        if r > 1:
+            o = o.clone()
+            o[::r] = torch.cat([offs.new_zeros(1), offs[:-1]])
+        return view, o
+    monkeypatch.setattr(ops, "tile_groups", off_by_one_group)
+    bad = bk.moe_tiles_case(64, 1, 2, device="cpu", preset="tiny")
+    assert bad["verdict"] == "INVALID" and "split groups differ" in bad["reasons"][0]
 
 
 def test_kernel_bench_cli_rejects_bad_lists(capsys):

@@ -627,7 +627,7 @@ def sm90_spills() -> dict:
                                      dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_I=gu["BLOCK_I"], BLOCK_D=gu["BLOCK_D"], PDL=True),
                                      num_warps=gu["num_warps"])
     out["moe_down"] = stack_bytes(moe._moe_expert_down_kernel, dn_sig,
-                                  dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"]),
+                                  dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"], PDL=True),
                                   num_warps=dn["num_warps"])
     # Gate A's precision on CUDA: an fp32 model whose routed experts stay bf16 (the shared expert is fp32)
     mixed = {**dict.fromkeys(["x_ptr", "sg_ptr", "su_ptr", "act_ptr", "sd_ptr", "y_ptr", "wt_ptr"], f32), "w_ptr": bf}
@@ -636,7 +636,7 @@ def sm90_spills() -> dict:
         dict(D=D, I=I, K=K, SLOTS=K + 1, BLOCK_I=gu["BLOCK_I"], BLOCK_D=gu["BLOCK_D"], PDL=True), num_warps=gu["num_warps"])
     out["moe_down_fp32_bf16"] = stack_bytes(
         moe._moe_expert_down_kernel, {**dn_sig, **{n: mixed[n] for n in dn_sig if n in mixed}},
-        dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"]), num_warps=dn["num_warps"])
+        dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"], PDL=True), num_warps=dn["num_warps"])
     out["decode_fp32"] = stack_bytes(kd._kda_decode_kernel, {**{n: (f32 if t == bf else t) for n, t in decode_sig.items()},
                                                              "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
                                      dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False),

@@ -306,6 +306,35 @@ def test_grouped_mm_per_group_form_equals_torchs():
     assert rel_err(got[3:], a[3:] @ b[3].float()) < 1e-6  # group 3 holds rows 3:10 (groups 0, 2 and 4 are empty)
 
 
+@given(E=st.integers(2, 9), r=st.integers(2, 4), seed=st.integers(0, 999))
+def test_split_groups_give_the_same_product(E, r, seed):
+    """`ops.tile_groups`: each expert split into r groups (its own, then r-1 empty ones viewing inside its weights)
+    gives the product of one group an expert, with empty experts anywhere; torch sees r*(E-1)+1 groups."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 6, (E,), generator=g)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    a = torch.randn(int(counts.sum()), 16, generator=g)
+    b = torch.randn(E, 24, 16, generator=g).transpose(1, 2)  # [E, K, N] with K contiguous, as the model's stacks
+    view, split = ops.tile_groups(b, offs, r)
+    assert view.shape[0] == split.shape[0] == r * (E - 1) + 1 and view.untyped_storage().data_ptr() == b.data_ptr()
+    assert torch.equal(ops.grouped_mm(a, b, offs, replicas=r), F.grouped_mm(a, b, offs=offs))
+
+
+def test_tile_replicas_follows_torchs_tile_rule():
+    """torch takes 64-row tiles when rows // groups <= 128: the split is the fewest groups an expert that get there,
+    none where the mean is there already, past SMALL_TILES_UP_TO rows an expert, or past 1023 groups."""
+    E = 256
+    assert ops.tile_replicas(8192 * 8, E) == 2 and 8192 * 8 // (2 * (E - 1) + 1) <= 128 < 8192 * 8 // E
+    assert ops.tile_replicas(4096 * 8, E) == 1  # 128 rows an expert: torch's small tiles already
+    assert ops.tile_replicas(ops.SMALL_TILES_UP_TO * E + 1, E) == 1
+    for m in range(129 * E, ops.SMALL_TILES_UP_TO * E + 1, 997):
+        r = ops.tile_replicas(m, E)
+        fits = [q for q in range(2, 9) if m // (q * (E - 1) + 1) <= 128 and q * (E - 1) + 1 <= 1023]
+        assert r == (min(q for q in range(2, 9) if m // (q * (E - 1) + 1) <= 128) if fits else 1)
+    assert ops.tile_replicas(129 * 1000, 1000) == 1  # 2 * 999 + 1 groups would pass torch's limit
+    assert ops.tile_replicas(1000, 1) == 1
+
+
 # ---- real shapes on the GPU ---------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -401,10 +430,13 @@ def test_early_starts_only_when_nothing_is_copied_before_them(monkeypatch):
     fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, sw)
     fused_moe_decode(x, wr, bias.double(), 2, 2.446, True, gate_up, down, sw)  # the bias is copied to fp32
     fused_moe_decode(x.t().contiguous().t(), wr, bias, 2, 2.446, True, gate_up, down, sw)  # x is copied
-    assert seen == [True, True, False, False, False, False]
-    strided = (sw[0].t().contiguous().t(), sw[1], sw[2])  # the shared expert's gate weight would be copied
-    y = fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, strided)
-    assert seen[6:] == [False, False] and torch.equal(y, fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, sw))
+    assert seen == [True] * 3 + [False] * 6  # router, gate_up and down, per call
+    want = fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, sw)
+    for i in range(3):  # one of the shared expert's weights would be copied (just before gate_up or down)
+        strided = tuple(t.t().contiguous().t() if j == i else t for j, t in enumerate(sw))
+        del seen[:]
+        y = fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, strided)
+        assert seen == [False] * 3 and torch.equal(y, want)
     assert real(moe._moe_router_kernel, torch.device(DEV), True) == (
         dict(PDL=True, launch_pdl=True) if DEV == "cuda" and mt.compiled(moe._moe_router_kernel) else dict(PDL=False))
 
@@ -440,7 +472,7 @@ def test_model_moe_block_takes_the_fused_decode_path(monkeypatch):
 def test_gpu_early_starts_keep_the_bits(N, before, monkeypatch):
     """At 48B-A3B's shapes in bf16, behind a kernel that writes x: a plain copy, or the model's add+norm (which
     lets the router launch as it starts): the early (PDL) launches give the plain launches' bits, eagerly and in
-    CUDA graph replays, each replay on new inputs (a router that read x before the kernel before it wrote x would
+    CUDA graph replays, each replay on new inputs (a launch that read x before the kernel before it wrote x would
     see the last replay's x, or zeros). Buffers come unpoisoned, as in the model: a fill kernel between two
     launches would be the one the second waits for."""
     from model.triton.norms import add_rmsnorm
@@ -494,12 +526,13 @@ def late_copy(src: torch.Tensor, dst: torch.Tensor, delay_us: int = 50) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("launch", ["router", "gate_up"])
+@pytest.mark.parametrize("launch", ["router", "gate_up", "down"])
 def test_gpu_early_launches_wait_for_the_kernel_before(launch, monkeypatch):
     """Each early (PDL) launch reads what the kernel just before it writes only once that kernel has finished:
     behind a kernel that lets it start at once and stores its input 50 us later, it gives the plain launch's result,
     eagerly and in CUDA graph replays.
-    Checked on the H200 (1508a73): with the router's or gate_up's wait removed, this test fails. Two things had hidden
+    Checked on the H200 (1508a73): with the router's or gate_up's wait removed, this test fails (down: see the
+    README's test history). Two things had hidden
     that. The module's NaN-poisoning fill put a kernel between the launches, so the launch waited for the fill.
     And eager launches alone passed without the router's wait; the graph replays below are what catch it. So the
     buffers are allocated as the model allocates them."""
@@ -514,12 +547,19 @@ def test_gpu_early_launches_wait_for_the_kernel_before(launch, monkeypatch):
         def run():
             late_copy(x, dst)
             return moe.fused_router(dst, wr, bias, K, 2.446, True, early=True)
-    else:
+    elif launch == "gate_up":
         ref, dst = (moe.expert_gate_up(x, idx, gate_up, sw[:2]),), torch.zeros_like(idx)
 
         def run():
             late_copy(idx, dst)
             return (moe.expert_gate_up(x, dst, gate_up, sw[:2], early=True),)
+    else:  # down reads its first weight tiles, then waits for act
+        act = moe.expert_gate_up(x, idx, gate_up, sw[:2])
+        ref, dst = (moe.expert_down(act, idx, w, down, sw[2]),), torch.zeros_like(act)
+
+        def run():
+            late_copy(act, dst)
+            return (moe.expert_down(dst, idx, w, down, sw[2], early=True),)
     for _ in range(3):
         dst.zero_()
         out = run()

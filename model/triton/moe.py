@@ -16,14 +16,17 @@ Three launches per MoE layer, routing kept on the device (no host sync, graph-ca
             registers in a fixed order: no atomics, the same bits on every run.
 The shared expert rides along as slot K of gate_up and beside the K slots in down.
 
-PDL (programmatic dependent launch, CUDA): the router and gate_up are launched to start while the kernel before
-them still runs. The router reads its weight rows, then waits (griddepcontrol.wait) for x from the norm before
-it (which lets it launch as the norm starts, `model.triton.norms`), then lets gate_up launch; gate_up's
-shared-expert programs, which need no routing, stream their weights
-right away (x is complete by then: the router's programs passed their wait before gate_up could launch), while
-its routed programs wait for the router's idx. Nothing else changes: the same bits with or without it. Only
-outputs that outlive the early start are written before a wait (act, allocated after the router's launch,
-while everything the router reads or writes stays alive: its logits in a buffer made once, `model.triton.kept_buffer`).
+PDL (programmatic dependent launch, CUDA): all three launches start while the kernel before them still runs.
+- The router reads its weight rows, then waits (griddepcontrol.wait) for x from the norm before it (which lets
+  it launch as the norm starts, `model.triton.norms`), then lets gate_up launch.
+- gate_up's shared-expert programs, which need no routing, stream their weights right away (x is complete by
+  then: the router's programs passed their wait before gate_up could launch), while its routed programs wait
+  for the router's idx. Every program then lets down launch, so down starts only once the router is complete.
+- down reads idx, the routing weights and its first step's weight tiles, then waits for gate_up's act: its
+  weights stream during gate_up's tail.
+Nothing else changes: the same bits with or without it. Only outputs that outlive the early start are written
+before a wait (act, allocated after the router's launch, while everything the router reads or writes stays alive:
+its logits in a buffer made once, `model.triton.kept_buffer`); down writes y after its wait.
 
 Tile sizes and launch options are parameters (`GATE_UP`, `DOWN`, `ROUTER` hold the defaults);
 `python -m benchmarks.bench_kernels --ops moe_decode --moe-sweep` times a grid of them on the GPU.
@@ -92,6 +95,8 @@ def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D
     mask_i = offs_i < I
     if PDL and k < K:  # launched early (see PDL above): the routed slots wait for the router's idx
         gdc_wait()
+    if PDL:  # down may launch once every program got here: the routed ones past their wait, so idx is complete
+        gdc_launch_dependents()
     if w_ptr.dtype.element_ty == sg_ptr.dtype.element_ty:
         if k < K:
             e = tl.load(idx_ptr + n * K + k).to(tl.int64)
@@ -119,11 +124,41 @@ def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D
 
 
 @triton.jit
+def _down_weights(w_ptr, sd_ptr, rows, offs_d, mask_kd, mask_d, i0, I: tl.constexpr, SHARED: tl.constexpr,
+                  BLOCK_I: tl.constexpr):
+    """One step's weight tiles: [KP, BLOCK_D, BLOCK_I] of the chosen w2's and [BLOCK_D, BLOCK_I] of the shared one."""
+    offs_i = i0 + tl.arange(0, BLOCK_I)
+    mask_i = offs_i < I
+    wd = tl.load(w_ptr + rows[:, :, None] + offs_i[None, None, :], mask=mask_kd[:, :, None] & mask_i[None, None, :],
+                 other=0.0)
+    ws = wd  # unused without the shared expert
+    if SHARED:
+        ws = tl.load(sd_ptr + offs_d[:, None] * I + offs_i[None, :], mask=mask_d[:, None] & mask_i[None, :], other=0.0)
+    return wd, ws
+
+
+@triton.jit
+def _down_step(act_ptr, a_rows, a_shared, wd, ws, acc, acc_s, mask_k, i0, I: tl.constexpr, SHARED: tl.constexpr,
+               BLOCK_I: tl.constexpr):
+    """acc (+ acc_s) plus one step's products of the weight tiles with act."""
+    offs_i = i0 + tl.arange(0, BLOCK_I)
+    mask_i = offs_i < I
+    a = tl.load(act_ptr + a_rows[:, None] + offs_i[None, :], mask=mask_k[:, None] & mask_i[None, :],
+                other=0.0).to(tl.float32)
+    acc += tl.sum(wd.to(tl.float32) * a[:, None, :], axis=2)
+    if SHARED:
+        a_s = tl.load(act_ptr + a_shared + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+        acc_s += tl.sum(ws.to(tl.float32) * a_s[None, :], axis=1)
+    return acc, acc_s
+
+
+@triton.jit
 def _moe_expert_down_kernel(act_ptr, idx_ptr, wt_ptr, w_ptr, sd_ptr, y_ptr, D: tl.constexpr, I: tl.constexpr,
                  K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_I: tl.constexpr):
+                 BLOCK_I: tl.constexpr, PDL: tl.constexpr):
     """Rows offs_d of y[n] from the K routed slots (a [KP, BLOCK_D, BLOCK_I] tile per step, KP = K padded
-    to a power of two, the padding masked off) and the shared expert (SHARED, slot K of act)."""
+    to a power of two, the padding masked off) and the shared expert (SHARED, slot K of act). PDL: launched early
+    (see the module docstring), the first step's weight tiles are read before waiting for gate_up's act."""
     n = tl.program_id(0)
     pid_d = tl.program_id(1)
     SLOTS: tl.constexpr = K + SHARED
@@ -136,21 +171,16 @@ def _moe_expert_down_kernel(act_ptr, idx_ptr, wt_ptr, w_ptr, sd_ptr, y_ptr, D: t
     rows = e[:, None] * (D * I) + offs_d[None, :] * I                       # [KP, BLOCK_D] row starts
     mask_kd = mask_k[:, None] & mask_d[None, :]
     a_rows = (n * SLOTS + offs_k) * I
+    a_shared = (n * SLOTS + K) * I
     acc = tl.zeros([KP, BLOCK_D], dtype=tl.float32)
     acc_s = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for i0 in range(0, I, BLOCK_I):
-        offs_i = i0 + tl.arange(0, BLOCK_I)
-        mask_i = offs_i < I
-        a = tl.load(act_ptr + a_rows[:, None] + offs_i[None, :], mask=mask_k[:, None] & mask_i[None, :],
-                    other=0.0).to(tl.float32)
-        wd = tl.load(w_ptr + rows[:, :, None] + offs_i[None, None, :],
-                     mask=mask_kd[:, :, None] & mask_i[None, None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(wd * a[:, None, :], axis=2)
-        if SHARED:
-            a_s = tl.load(act_ptr + (n * SLOTS + K) * I + offs_i, mask=mask_i, other=0.0).to(tl.float32)
-            ws = tl.load(sd_ptr + offs_d[:, None] * I + offs_i[None, :], mask=mask_d[:, None] & mask_i[None, :],
-                         other=0.0).to(tl.float32)
-            acc_s += tl.sum(ws * a_s[None, :], axis=1)
+    wd, ws = _down_weights(w_ptr, sd_ptr, rows, offs_d, mask_kd, mask_d, 0, I, SHARED, BLOCK_I)
+    if PDL:  # the tiles above stream while gate_up finishes; act is read only after it has
+        gdc_wait()
+    acc, acc_s = _down_step(act_ptr, a_rows, a_shared, wd, ws, acc, acc_s, mask_k, 0, I, SHARED, BLOCK_I)
+    for i0 in range(BLOCK_I, I, BLOCK_I):
+        wd, ws = _down_weights(w_ptr, sd_ptr, rows, offs_d, mask_kd, mask_d, i0, I, SHARED, BLOCK_I)
+        acc, acc_s = _down_step(act_ptr, a_rows, a_shared, wd, ws, acc, acc_s, mask_k, i0, I, SHARED, BLOCK_I)
     # Each expert's output is rounded (as F.linear's), weighted in fp32 and summed over the slots in a fixed
     # tree order, the shared expert (weight 1) last; one rounding of the sum, as the prefill path.
     DT = y_ptr.dtype.element_ty
@@ -178,7 +208,7 @@ def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, g
         raise ValueError(f"shared expert shapes {[tuple(t.shape) for t in shared]} do not fit [{I}, {D}] / [{D}, {I}]")
     x, idx, w = x.contiguous(), idx.contiguous(), w.float().contiguous()
     act = expert_gate_up(x, idx, gate_up, shared[:2] if shared is not None else None, gate_up_cfg, early)
-    return expert_down(act, idx, w, down, shared[2] if shared is not None else None, down_cfg)
+    return expert_down(act, idx, w, down, shared[2] if shared is not None else None, down_cfg, early)
 
 
 def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None, early: bool = False) -> torch.Tensor:
@@ -199,8 +229,9 @@ def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None, early: bool =
     return act
 
 
-def expert_down(act, idx, w, down, shared_down=None, cfg=None) -> torch.Tensor:
-    """The second launch: y [N, D] from act (`expert_gate_up`), the routing weights w [N, K] fp32 and w2."""
+def expert_down(act, idx, w, down, shared_down=None, cfg=None, early: bool = False) -> torch.Tensor:
+    """The second launch: y [N, D] from act (`expert_gate_up`), the routing weights w [N, K] fp32 and w2. `early`
+    (CUDA): launched to start while gate_up, launched just before it, runs (PDL); set by `fused_moe_decode` alone."""
     mt.require_runnable(_moe_expert_down_kernel, act.device)
     N, K = idx.shape
     D, I = down.shape[1], down.shape[2]
@@ -209,7 +240,9 @@ def expert_down(act, idx, w, down, shared_down=None, cfg=None) -> torch.Tensor:
     c = {**DOWN, **(cfg or {})}
     bd, bi = min(c["BLOCK_D"], triton.next_power_of_2(D)), min(c["BLOCK_I"], triton.next_power_of_2(I))
     _moe_expert_down_kernel[(N, triton.cdiv(D, bd))](act, idx, w, down, sd, y, D, I, K, triton.next_power_of_2(K),
-                                                     shared_down is not None, bd, bi, num_warps=c["num_warps"])
+                                                     shared_down is not None, bd, bi,
+                                                     **pdl(_moe_expert_down_kernel, act.device, early),
+                                                     num_warps=c["num_warps"])
     return y
 
 
@@ -343,7 +376,7 @@ def fused_moe_decode(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.T
     # be the kernel just before an early launch (whose weights the router reads before it waits), and a temporary
     # the router reads could be handed to gate_up's act by the allocator while the router still runs.
     early = (x.is_contiguous() and router_weight.is_contiguous() and bias.dtype == torch.float32
-             and bias.is_contiguous() and (shared is None or (shared[0].is_contiguous() and shared[1].is_contiguous())))
+             and bias.is_contiguous() and (shared is None or all(t.is_contiguous() for t in shared)))
     x = x.contiguous()
     idx, w = fused_router(x, router_weight, bias, k, scaling, renorm, early=early)
     return fused_moe_small_batch(x, idx, w, gate_up, down, shared, early=early)
