@@ -7,7 +7,6 @@
     python -m benchmarks.bench_kernels --ops mla_decode_layout [--mla-T 1056,8192]
     python -m benchmarks.bench_kernels --ops mla_absorb
     python -m benchmarks.bench_kernels --ops moe_prefill_rows [--prefill-T 8192]
-    python -m benchmarks.bench_kernels --ops moe_prefill_tiles [--prefill-T 4096,8192,16384] [--replicas 2,4]
 
 Needs a CUDA device (SPEC.md §4 anchors are H200 figures). fla is imported from the path as installed;
 FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=32 heads, head dim 128, bf16.
@@ -54,8 +53,6 @@ MLA_LAYERS layers' calls (each its own cache), batch 1, a buffer of T positions 
 ours is checked against the peer's output in the same run. `--ops mla_absorb`: `mla_absorb_sweep`, the tile
 configs of the absorbed up-projections against the default, graph-timed per layer. `--ops moe_prefill_rows`:
 `moe_rows_case`, the prefill MoE's expert GEMMs at the router's rows per expert against the same rows balanced.
-`--ops moe_prefill_tiles`: `moe_tiles_case`, the same GEMMs with each expert split into `--replicas` groups (so that
-torch's grouped GEMM takes 64-row tiles, `model.ops.tile_groups`) against one group an expert.
 """
 from __future__ import annotations
 
@@ -470,56 +467,46 @@ def balanced_counts(n: int, E: int) -> torch.Tensor:
     return torch.full((E,), n // E, dtype=torch.int64) + (torch.arange(E) < n % E)
 
 
-def prefill_moe_inputs(T: int, device: str, preset: str):
-    """The inputs of the prefill MoE's expert GEMMs for T tokens of `preset`: the rows per expert its first MoE
-    layer's router gives (synthetic weights seed 0, as the benchmarks' model has them, on unit normal inputs),
-    T*K random rows and random expert stacks in the model's layout (gate_up [E, D, 2I], down [E, I, D], views of
-    [E, 2I, D] and [E, D, I]). Returns (dims (E, D, I, K), router description, counts [E] on the CPU, rows,
-    gate_up, down)."""
+def moe_rows_case(T: int, rep_ms: int, device: str = "cuda", preset: str = "48b-a3b") -> dict:
+    """The prefill MoE's expert GEMMs (`ops.grouped_mm` gate_up, `ops.silu_mul`, `ops.grouped_mm` down: the
+    model's path without the dispatch and combine copies) for T tokens of `preset` at the rows per expert its
+    router gives, against the same number of rows balanced across the experts (peer "balanced rows"). The router
+    is the first MoE layer's, synthetic weights seed 0 as the benchmarks' model has them, on unit normal inputs.
+    The gap is what the spread of rows costs torch's grouped GEMM: each expert's rows fill whole tiles of
+    MOE_TILE_ROWS, so a skewed spread pays for padded rows (`tile_rows_wasted`, beside the balanced case's). Ours
+    is checked against one torch.mm per expert for the first experts. One `kernel` record."""
+    from model import ops
     from model.config import get_config
     from model.layers import Router
     from model.weights import synthetic_tensor
     cfg = get_config(preset)
     layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
     E, Dm, I, K = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_token
-    router = Router(cfg).to(device)
-    name = f"model.layers.{layer}.block_sparse_moe.gate."
-    with torch.no_grad():
-        router.weight.copy_(synthetic_tensor(cfg, name + "weight", device=device))
-        router.e_score_correction_bias.copy_(synthetic_tensor(cfg, name + "e_score_correction_bias", device=device))
-    router.pack_()
-    g = torch.Generator(device=device).manual_seed(T)
-    x = torch.randn(T, Dm, generator=g, device=device).to(DTYPE)
-    idx, _ = router(x)
-    counts = torch.bincount(idx.flatten().cpu(), minlength=E)
-    rows = torch.randn(T * K, Dm, generator=g, device=device).to(DTYPE)
-    gate_up = (torch.randn(E, 2 * I, Dm, generator=g, device=device) / Dm ** 0.5).to(DTYPE).transpose(1, 2)
-    down = (torch.randn(E, Dm, I, generator=g, device=device) / I ** 0.5).to(DTYPE).transpose(1, 2)
-    desc = f"model.layers.{layer} of {preset}, synthetic seed 0, inputs N(0, 1)"
-    return (E, Dm, I, K), desc, counts, rows, gate_up, down
-
-
-def moe_rows_case(T: int, rep_ms: int, device: str = "cuda", preset: str = "48b-a3b") -> dict:
-    """The prefill MoE's expert GEMMs (`ops.grouped_mm` gate_up, `ops.silu_mul`, `ops.grouped_mm` down: the
-    model's path without the dispatch and combine copies), in torch's own tile choice (one group an expert), for
-    T tokens of `preset` at the rows per expert its router gives (`prefill_moe_inputs`), against the same number
-    of rows balanced across the experts (peer "balanced rows").
-    The gap is what the spread of rows costs torch's grouped GEMM: each expert's rows fill whole tiles of
-    MOE_TILE_ROWS, so a skewed spread pays for padded rows (`tile_rows_wasted`, beside the balanced case's). Ours
-    is checked against one torch.mm per expert for the first experts. One `kernel` record."""
-    from model import ops
-    params = {"op": "moe_prefill_rows", "B": 1, "T": T, "dtype": "bfloat16",
+    params = {"op": "moe_prefill_rows", "B": 1, "T": T, "H": E, "d": Dm, "dtype": "bfloat16", "I": I, "K": K,
+              "router": f"model.layers.{layer} of {preset}, synthetic seed 0, inputs N(0, 1)",
               "ours_scope": "grouped gate_up + silu_mul + grouped down at the router's rows per expert",
               "peer_scope": "the same GEMMs with the same number of rows balanced across the experts"}
     results, reasons = {"peer": "balanced rows", "timing": "do_bench"}, []
     try:
-        (E, Dm, I, K), desc, counts, rows, gate_up, down = prefill_moe_inputs(T, device, preset)
-        params.update(H=E, d=Dm, I=I, K=K, router=desc)
+        router = Router(cfg).to(device)
+        name = f"model.layers.{layer}.block_sparse_moe.gate."
+        with torch.no_grad():
+            router.weight.copy_(synthetic_tensor(cfg, name + "weight", device=device))
+            router.e_score_correction_bias.copy_(synthetic_tensor(cfg, name + "e_score_correction_bias",
+                                                                  device=device))
+        router.pack_()
+        g = torch.Generator(device=device).manual_seed(T)
+        x = torch.randn(T, Dm, generator=g, device=device).to(DTYPE)
+        idx, _ = router(x)
+        counts = torch.bincount(idx.flatten().cpu(), minlength=E)
         cases = {"ours": counts, "peer": balanced_counts(T * K, E)}
+        rows = torch.randn(T * K, Dm, generator=g, device=device).to(DTYPE)
+        gate_up = (torch.randn(E, 2 * I, Dm, generator=g, device=device) / Dm ** 0.5).to(DTYPE).transpose(1, 2)
+        down = (torch.randn(E, Dm, I, generator=g, device=device) / I ** 0.5).to(DTYPE).transpose(1, 2)
 
         def experts(offs):
-            h = ops.grouped_mm(rows, gate_up, offs, replicas=1)
-            return ops.grouped_mm(ops.silu_mul(h[:, :I], h[:, I:]), down, offs, replicas=1)
+            h = ops.grouped_mm(rows, gate_up, offs)
+            return ops.grouped_mm(ops.silu_mul(h[:, :I], h[:, I:]), down, offs)
 
         ends = {side: torch.cumsum(c, 0) for side, c in cases.items()}
         for side, c in cases.items():
@@ -548,49 +535,6 @@ def moe_rows_case(T: int, rep_ms: int, device: str = "cuda", preset: str = "48b-
         f"{_ms(results.get('peer_ms'))} ms; rows per expert sd {results.get('rows_per_expert_sd', float('nan')):.1f}, "
         f"padded rows {results.get('ours_tile_rows_wasted')} against {results.get('peer_tile_rows_wasted')}  "
         f"{rec['verdict']} {reasons}")
-    return rec
-
-
-TILE_PEER = "torch's tiles (one group an expert)"
-
-
-def moe_tiles_case(T: int, rep_ms: int, replicas: int, device: str = "cuda", preset: str = "48b-a3b") -> dict:
-    """The prefill MoE's expert GEMMs (as `moe_rows_case`) at the router's rows for T tokens, with each expert split
-    into `replicas` groups (`ops.tile_groups`: torch then picks its 64-row tiles) against torch's own tile choice
-    on the same inputs (peer TILE_PEER), in the same run. The outputs are compared (`rel_err_vs_peer`, and whether
-    the bits agree), and `model_replicas` says which of the two the model takes at T. One `kernel` record."""
-    from model import ops
-    params = {"op": "moe_prefill_tiles", "B": 1, "T": T, "dtype": "bfloat16", "replicas": replicas,
-              "ours_scope": f"grouped gate_up + silu_mul + grouped down, each expert split into {replicas} groups",
-              "peer_scope": "the same GEMMs, one group an expert"}
-    results, reasons = {"peer": TILE_PEER, "timing": "do_bench"}, []
-    try:
-        (E, Dm, I, K), desc, counts, rows, gate_up, down = prefill_moe_inputs(T, device, preset)
-        params.update(H=E, d=Dm, I=I, K=K, router=desc)
-        offs = torch.cumsum(counts, 0).to(torch.int32).to(device)
-
-        def experts(r):
-            h = ops.grouped_mm(rows, gate_up, offs, replicas=r)
-            return ops.grouped_mm(ops.silu_mul(h[:, :I], h[:, I:]), down, offs, replicas=r)
-
-        results["ours_ms"] = gpu_ms(lambda: experts(replicas), rep_ms)
-        results["peer_ms"] = gpu_ms(lambda: experts(1), rep_ms)
-        results["speedup"] = results["peer_ms"] / results["ours_ms"]
-        y, ref = experts(replicas), experts(1)
-        results["rel_err_vs_peer"] = rel_err(y, ref)
-        results["bits_equal"] = bool(torch.equal(y, ref))
-        results.update(mean_rows_per_expert=T * K / E, rows_per_expert_sd=float(counts.float().std()),
-                       model_replicas=ops.tile_replicas(T * K, E),
-                       groups=(replicas * (E - 1) + 1) if replicas > 1 else E)
-        if not results["rel_err_vs_peer"] <= 1e-2:
-            reasons.append(f"split groups differ from one group an expert: {results['rel_err_vs_peer']:.3g}")
-    except Exception as e:
-        traceback.print_exc()
-        reasons.append(f"moe_prefill_tiles failed: {type(e).__name__}: {e}")
-    rec = kernel_record(params, results, reasons, device)
-    log(f"  moe_prefill_tiles T={T} replicas={replicas}: {_ms(results.get('ours_ms'))} ms against "
-        f"{_ms(results.get('peer_ms'))} ms in torch's tiles (model takes {results.get('model_replicas')}), bits equal "
-        f"{results.get('bits_equal')}  {rec['verdict']} {reasons}")
     return rec
 
 
@@ -1050,14 +994,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine",
                     help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, mla_decode_layout, "
-                         "mla_absorb, moe_prefill_rows, moe_prefill_tiles, " + ", ".join(TORCH_PEER_CASES))
+                         "mla_absorb, moe_prefill_rows, " + ", ".join(TORCH_PEER_CASES))
     ap.add_argument("--chunk-T", type=ints, default=(1024, 8192, 32768))
     ap.add_argument("--decode-B", type=ints, default=(1, 8, 64))
     ap.add_argument("--mla-T", type=ints, default=(1024, 32768, 131072), help="mla_decode contexts (batch 1)")
     ap.add_argument("--prefill-T", type=ints, default=(8192,),
-                    help="token counts for the causal_conv1d, moe_combine, moe_prefill_rows and moe_prefill_tiles cases")
-    ap.add_argument("--replicas", type=ints, default=(2, 4),
-                    help="moe_prefill_tiles: groups per expert to time against torch's tiles")
+                    help="token counts for the causal_conv1d, moe_combine and moe_prefill_rows cases")
     ap.add_argument("--moe-N", type=ints, default=(1, 8), help="tokens per MoE decode step (moe_decode)")
     ap.add_argument("--moe-sweep", action="store_true", help="moe_decode: also time every tile config of the grid")
     ap.add_argument("--decode-sweep", action="store_true",
@@ -1070,7 +1012,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
     unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "mla_decode_layout", "mla_absorb",
-                          "moe_prefill_rows", "moe_prefill_tiles", *TORCH_PEER_CASES}
+                          "moe_prefill_rows", *TORCH_PEER_CASES}
     if unknown:
         raise SystemExit(f"unknown --ops {sorted(unknown)}")
     if not torch.cuda.is_available():
@@ -1103,10 +1045,6 @@ def main(argv=None) -> None:
     if "moe_prefill_rows" in ops:
         for T in args.prefill_T:
             moe_rows_case(T, args.rep_ms)
-    if "moe_prefill_tiles" in ops:
-        for T in args.prefill_T:
-            for r in args.replicas:
-                moe_tiles_case(T, args.rep_ms, r)
     if "moe_decode" in ops:
         run_moe(list(args.moe_N), args.moe_sweep, args.rep_ms)
 

@@ -310,56 +310,13 @@ def moe_dispatch_torch(x, order, K: int):
     return x[order // K]
 
 
-# torch's grouped GEMM on sm_90 (bf16, aten/src/ATen/native/cuda/GroupMM.cu) picks its tile from the mean rows a
-# group, M // groups: 64 x 128 tiles when that is 128 or fewer, else 128 x 256. Every group's rows fill whole tiles,
-# so at the 8k prefill's 256 rows an expert (129 to 418 over the experts, kernel record 96afb8a8) the 128-row
-# tiles compute 15,360 padded rows beside the 65,536 real ones. Splitting the call into token chunks would get the
-# smaller tiles but read every expert's weights once per chunk. `tile_groups` gets them in one call instead, by
-# giving torch empty groups beside the real ones. SMALL_TILES_UP_TO: the mean rows an expert up to which the model
-# does that (`bench_kernels --ops moe_prefill_tiles` times both tile choices at the router's rows).
-SMALL_TILES_UP_TO = 512
-_SMALL_TILE_MEAN = 128  # torch's threshold (see above)
-_MAX_GROUPS = 1023      # torch's limit: fewer than 1024 groups
-
-
-def tile_replicas(m: int, groups: int) -> int:
-    """How many groups `tile_groups` makes of each expert for m rows over `groups` experts: the fewest that bring
-    torch's mean (m // groups) to 128 rows or fewer, 1 (the call as it is) where the mean is already there, above
-    SMALL_TILES_UP_TO, or out of torch's group limit."""
-    if groups < 2 or m // groups <= _SMALL_TILE_MEAN or m > SMALL_TILES_UP_TO * groups:
-        return 1
-    r = 2
-    while m // (r * (groups - 1) + 1) > _SMALL_TILE_MEAN:
-        r += 1
-    return r if r * (groups - 1) + 1 <= _MAX_GROUPS else 1
-
-
-def tile_groups(b, offs, r: int):
-    """b [E, K, N] and offs [E] as r*(E-1)+1 groups with the same rows: expert e is group r*e, and the r-1 groups
-    after it are empty, their b a view r-ths of the way into expert e's (never read: no rows). One view, no copy;
-    the product is the same, group by group."""
-    if r == 1:
-        return b, offs
-    E = b.shape[0]
-    step, rem = divmod(b.stride(0), r)
-    if rem or (step * b.element_size()) % 16:  # torch's grouped GEMM wants 16-byte aligned operands
-        return b, offs
-    return (b.as_strided((r * (E - 1) + 1, *b.shape[1:]), (step, *b.stride()[1:])),
-            offs.repeat_interleave(r)[:r * (E - 1) + 1])
-
-
-def grouped_mm(a, b, offs, replicas: int | None = None):
+def grouped_mm(a, b, offs):
     """Rows offs[e-1]:offs[e] of a [M, K] times b[e] [K, N] for each group e -> [M, N] in a's dtype.
 
-    torch's grouped GEMM where it runs (bf16 on CUDA; any one dtype on a CPU), with its groups split for smaller
-    tiles where that pays (`tile_replicas`; `replicas` overrides it, for the benchmark). Otherwise, e.g. fp32
-    rows against expert stacks held in bf16 (Gate A's precision on CUDA), one GEMM per non-empty group with its
-    b widened to a's dtype: a host sync for the offsets and ~E launches, where the reference loop syncs once per
-    expert."""
+    torch's grouped GEMM where it runs (bf16 on CUDA; any one dtype on a CPU). Otherwise, e.g. fp32 rows against
+    expert stacks held in bf16 (Gate A's precision on CUDA), one GEMM per non-empty group with its b widened to
+    a's dtype: a host sync for the offsets and ~E launches, where the reference loop syncs once per expert."""
     if a.dtype == b.dtype and (not a.is_cuda or a.dtype == torch.bfloat16):
-        if replicas is None:  # the tile choice is CUDA's; CPU runs take the split only when asked (tests)
-            replicas = tile_replicas(a.shape[0], b.shape[0]) if a.is_cuda else 1
-        b, offs = tile_groups(b, offs, replicas)
         return F.grouped_mm(a, b, offs=offs)
     out = a.new_empty(a.shape[0], b.shape[-1])
     start = 0

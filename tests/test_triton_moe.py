@@ -306,35 +306,6 @@ def test_grouped_mm_per_group_form_equals_torchs():
     assert rel_err(got[3:], a[3:] @ b[3].float()) < 1e-6  # group 3 holds rows 3:10 (groups 0, 2 and 4 are empty)
 
 
-@given(E=st.integers(2, 9), r=st.integers(2, 4), seed=st.integers(0, 999))
-def test_split_groups_give_the_same_product(E, r, seed):
-    """`ops.tile_groups`: each expert split into r groups (its own, then r-1 empty ones viewing inside its weights)
-    gives the product of one group an expert, with empty experts anywhere; torch sees r*(E-1)+1 groups."""
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, 6, (E,), generator=g)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    a = torch.randn(int(counts.sum()), 16, generator=g)
-    b = torch.randn(E, 24, 16, generator=g).transpose(1, 2)  # [E, K, N] with K contiguous, as the model's stacks
-    view, split = ops.tile_groups(b, offs, r)
-    assert view.shape[0] == split.shape[0] == r * (E - 1) + 1 and view.untyped_storage().data_ptr() == b.data_ptr()
-    assert torch.equal(ops.grouped_mm(a, b, offs, replicas=r), F.grouped_mm(a, b, offs=offs))
-
-
-def test_tile_replicas_follows_torchs_tile_rule():
-    """torch takes 64-row tiles when rows // groups <= 128: the split is the fewest groups an expert that get there,
-    none where the mean is there already, past SMALL_TILES_UP_TO rows an expert, or past 1023 groups."""
-    E = 256
-    assert ops.tile_replicas(8192 * 8, E) == 2 and 8192 * 8 // (2 * (E - 1) + 1) <= 128 < 8192 * 8 // E
-    assert ops.tile_replicas(4096 * 8, E) == 1  # 128 rows an expert: torch's small tiles already
-    assert ops.tile_replicas(ops.SMALL_TILES_UP_TO * E + 1, E) == 1
-    for m in range(129 * E, ops.SMALL_TILES_UP_TO * E + 1, 997):
-        r = ops.tile_replicas(m, E)
-        fits = [q for q in range(2, 9) if m // (q * (E - 1) + 1) <= 128 and q * (E - 1) + 1 <= 1023]
-        assert r == (min(q for q in range(2, 9) if m // (q * (E - 1) + 1) <= 128) if fits else 1)
-    assert ops.tile_replicas(129 * 1000, 1000) == 1  # 2 * 999 + 1 groups would pass torch's limit
-    assert ops.tile_replicas(1000, 1) == 1
-
-
 # ---- real shapes on the GPU ---------------------------------------------------------------------
 
 @pytest.mark.gpu
