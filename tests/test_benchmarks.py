@@ -255,17 +255,17 @@ def test_self_time_ops_partition_the_outermost_spans(shape):
     def build(i, depth):  # lays out operator i and its children from t; returns the next unused operator
         nonlocal t
         kids, mine = shape[i]
-        start, name = t, f"op{i}"
-        ev.append(dict(name=name, ts=start, pid=1, tid=1))
-        t += mine / 2
+        op = dict(name=f"op{i}", ts=t, pid=1, tid=1)
+        ev.append(op)
+        t += mine / 2  # half its own time before its children, half after
         j = i + 1
         for _ in range(kids if depth < 3 else 0):
             if j >= len(shape):
                 break
             j = build(j, depth + 1)
         t += mine - mine / 2
-        ev[[e["name"] for e in ev].index(name)]["dur"] = t - start
-        own[name] = mine
+        op["dur"] = t - op["ts"]
+        own[op["name"]] = mine
         return j
     i = 0
     while i < len(shape):
