@@ -11,18 +11,23 @@ Prefill is bound by matmul arithmetic:
                    + KDA chunked-recurrence arithmetic
     prefill roofline tok/s = bf16 matmul rate / FLOPs per token
 The ceilings are measured, never taken from a datasheet: a large reduction for read bandwidth, an 8192^3 bf16
-matmul for the arithmetic rate (SPEC.md §4: 4.25 TB/s and ~790 TFLOP/s on the H200).
+matmul for the arithmetic rate (SPEC.md §4: 4.25 TB/s and ~790 TFLOP/s on the H200). Beside them the host's cost
+of one eager launch (`measure_launch_us`): no roofline uses it, but launch-bound code (HF's eager decode, an eager
+prefill of a short prompt) moves with it from run to run, so each record keeps it.
 
 `python -m benchmarks.roofline [--preset 48b-a3b]` prints the per-token figures and, on a GPU, the ceilings.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from benchmarks.timing import time_calls
+from benchmarks.timing import sync, time_calls
 from gates.memory import param_counts
 from model.config import KimiConfig, get_config
 
@@ -96,6 +101,7 @@ def prefill_roofline_tok_s(cfg: KimiConfig, T: int, matmul_tflops: float) -> flo
 class Ceilings:
     hbm_gbps: float  # read bandwidth of a large reduction, GB/s (1e9)
     matmul_tflops: float  # bf16 matmul rate, TFLOP/s
+    launch_us: float  # host wall time of one eager launch of a trivial op (measure_launch_us)
     read_bytes: int
     matmul_n: int
     reps: int
@@ -120,9 +126,30 @@ def measure_matmul_tflops(device, n: int, reps: int) -> float:
     return 2 * n ** 3 / (ms / 1e3) / 1e12
 
 
+def measure_launch_us(device, n: int = 2000, reps: int = 5, op: Callable[[], object] | None = None) -> float:
+    """The host's cost of one eager op: the median over `reps` of the wall time of n back-to-back calls of `op`
+    (default: an in-place add on a one-element tensor, whose device work is nil, so on CUDA this is the launch path:
+    Python, the dispatcher, the driver), the device drained before and after, divided by n; microseconds."""
+    if n < 1 or reps < 1:
+        raise ValueError(f"n and reps must be >= 1, got {n}, {reps}")
+    if op is None:
+        x = torch.zeros(1, device=device)
+        op = lambda: x.add_(1.0)  # noqa: E731
+    op()  # warm-up
+    us = []
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(n):
+            op()
+        sync(device)
+        us.append(1e6 * (time.perf_counter() - t) / n)
+    return statistics.median(us)
+
+
 def measure_ceilings(device, read_bytes: int = 4 << 30, matmul_n: int = 8192, reps: int = 20) -> Ceilings:
     c = Ceilings(measure_read_gbps(device, read_bytes, reps), measure_matmul_tflops(device, matmul_n, reps),
-                 read_bytes, matmul_n, reps)
+                 measure_launch_us(device), read_bytes, matmul_n, reps)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return c
@@ -138,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{cfg.name}: weights read per decoded token {weight_bytes_per_token(cfg) / GB:.3f} GB (bf16)")
     ceil = measure_ceilings("cuda") if torch.cuda.is_available() else None
     if ceil:
-        print(f"measured: read bandwidth {ceil.hbm_gbps:.0f} GB/s, bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s")
+        print(f"measured: read bandwidth {ceil.hbm_gbps:.0f} GB/s, bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s, "
+              f"one eager launch {ceil.launch_us:.1f} us")
     for ctx in contexts:
         line = (f"context {ctx:>7}: decode {decode_bytes_per_token(cfg, ctx) / GB:.3f} GB/token, "
                 f"prefill {prefill_flops_per_token(cfg, max(ctx, 1)) / 1e9:.2f} GFLOP/token")

@@ -263,10 +263,11 @@ def speed_section(bench: list[dict], out: Path) -> Section:
         used = list(ours.values()) + [r for r in peers.values() if r not in ours.values()]
         s.blocks.append(Figure(save(fig, out, f"speed_{phase}"), f"{phase} speed vs context", cite(used)))
         s.blocks.append(Table(
-            ["context", "config", "ours tok/s", "roofline fraction", "record",
+            ["context", "config", "ours tok/s", "roofline fraction", "host us / eager launch", "record",
              "peers (tok/s; decode by median step; record)"],
             [[str(get(r, "params.context")), series_label(r), fmt(get(r, "results.tok_s")),
-              fmt(get(r, "results.roofline_fraction"), ".1%"), short_id(r),
+              fmt(get(r, "results.roofline_fraction"), ".1%"), fmt(get(r, "results.host_launch_us"), ".2f"),
+              short_id(r),
               ", ".join(f"{get(p, 'results.peer')} {fmt(peer_rate(p))} ({short_id(p)})"
                         for (cfg, _), p in sorted(peers.items(), key=lambda kv: str(kv[0])) if cfg == key) or "—"]
              for key, r in sorted(ours.items(), key=lambda kv: config_order(kv[0]))], cite(used)))

@@ -69,7 +69,18 @@ def test_prefill_flops_and_roofline():
 
 def test_measured_ceilings_on_cpu_are_positive():
     c = roofline.measure_ceilings("cpu", read_bytes=4 << 20, matmul_n=64, reps=3)
-    assert c.hbm_gbps > 0 and c.matmul_tflops > 0
+    assert c.hbm_gbps > 0 and c.matmul_tflops > 0 and c.launch_us > 0
+
+
+def test_launch_probe_reads_the_cost_of_one_call():
+    """`measure_launch_us` is per call: an op that takes 2 ms on the host reads at least 2000 us, and the default
+    trivial op reads far less; bad counts are refused."""
+    import time
+    slow = roofline.measure_launch_us("cpu", n=3, reps=2, op=lambda: time.sleep(0.002))
+    fast = roofline.measure_launch_us("cpu", n=200, reps=3)
+    assert slow >= 2000 and 0 < fast < slow / 10
+    with pytest.raises(ValueError, match="n and reps"):
+        roofline.measure_launch_us("cpu", n=0)
 
 
 # ---- timing ----------------------------------------------------------------------------------------
@@ -113,7 +124,7 @@ def test_bench_quick_end_to_end(records_dir):
         q = r["results"]
         assert r["verdict"] == "VALID", r["reasons"]
         assert r["preset"] == "tiny" and r["device"] == "cpu" and r["weights"].startswith("sha256:")
-        assert q["tok_s"] > 0 and q["hbm_gbps"] > 0
+        assert q["tok_s"] > 0 and q["hbm_gbps"] > 0 and q["host_launch_us"] > 0
         assert q["roofline_fraction"] == pytest.approx(q["tok_s"] / q["roofline_tok_s"])
         assert q["median_ms"] == pytest.approx(summarize(q["samples_ms"])["median_ms"])
         if r["params"]["peer"]:
