@@ -309,8 +309,9 @@ def history_section(bench: list[dict], out: Path) -> Section:
     s.blocks.append(
         f"Each run against the earlier runs of its machine and configuration (reports/regress.py): flagged only when a "
         f"one-sided Mann-Whitney test (p < {regress.ALPHA}) AND a slowdown beyond the history's largest run median by "
-        f"max({regress.MIN_SLOWDOWN:.0%}, {regress.MAD_FACTOR:g} MAD) agree. Latest run per configuration, plus every "
-        f"flagged run:")
+        f"max({regress.MIN_SLOWDOWN:.0%}, {regress.MAD_FACTOR:g} MAD) agree; 'host-slower' where the host probe "
+        f"(one eager launch) slowed past the same bar and at least as much as the run. Latest run per configuration, "
+        f"plus every flagged run:")
     s.blocks.append(Table(["record", "time", "configuration", "verdict", "median ms", "vs history", "p", "why"],
                           [regression_row(r, verdicts[r["id"]]) for r in shown], cite(shown)))
     return s

@@ -1,4 +1,5 @@
 """reports/regress.py on synthetic histories: a planted slowdown is flagged, run-to-run noise is not."""
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -52,6 +53,35 @@ def test_run_to_run_noise_is_not_flagged_though_its_p_values_are_tiny():
         p_values.append(result.p_value)
     # Why the effect-size bar exists: autocorrelated samples make the test alone flag pure drift.
     assert sum(p < regress.ALPHA for p in p_values) >= 3, p_values
+
+
+def with_probe(rec: dict, us: float) -> dict:
+    rec["results"]["host_launch_us"] = us
+    return rec
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_slowdown_the_host_probe_matches_is_host_slower_not_a_regression(seed):
+    """A launch-bound run slows with the host: when the probe rose as much, the verdict says so and does not fail;
+    the same slowdown on an unchanged host, or one larger than the host's, is still a regression."""
+    rng, hist = history(seed)
+    hist = [with_probe(r, 10.0) for r in hist]
+    slowed_host = regress.check(with_probe(bench_run(rng, 100, slowdown=1.5), 16.0), hist)
+    assert slowed_host.verdict == "host-slower" and "host probe +60" in slowed_host.message, slowed_host.message
+    same_host = regress.check(with_probe(bench_run(rng, 101, slowdown=1.5), 10.0), hist)
+    assert same_host.verdict == "regression", same_host.message
+    worse_than_host = regress.check(with_probe(bench_run(rng, 102, slowdown=1.5), 11.5), hist)
+    assert worse_than_host.verdict == "regression", worse_than_host.message
+    # without probes in the history (records before it existed) the check is as before
+    unprobed = regress.check(with_probe(bench_run(rng, 103, slowdown=1.5), 16.0), history(seed)[1])
+    assert unprobed.verdict == "regression" and "host probe" not in unprobed.message
+
+
+def test_nightly_does_not_fail_on_host_slower():
+    from reports import nightly
+    r = regress.Regression(("k",), "host-slower", 3.0, 2.0, 1.5, 1e-9, "host probe +60%")
+    assert nightly.judge([], [r]).ok
+    assert not nightly.judge([], [replace(r, verdict="regression")]).ok
 
 
 def test_a_speedup_is_not_a_regression():
