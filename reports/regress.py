@@ -125,9 +125,9 @@ def check(new: dict, history: list[dict], k: int = HISTORY_RUNS) -> Regression:
 
 def host_ratio(new: dict, earlier: list[dict]) -> float | None:
     """The new run's host probe over the median probe of the history runs that have one; None where the new run
-    or fewer than MIN_HISTORY_RUNS of them lack it."""
+    lacks it or fewer than MIN_HISTORY_RUNS of the history runs have it."""
     def probe(r):
-        v = r.get("results", {}).get("host_launch_us")
+        v = (r.get("results") or {}).get("host_launch_us")
         return float(v) if isinstance(v, (int, float)) and v > 0 else None
     mine, theirs = probe(new), [p for p in map(probe, earlier) if p is not None]
     if mine is None or len(theirs) < MIN_HISTORY_RUNS:
