@@ -760,7 +760,7 @@ MOE_E, MOE_D, MOE_I, MOE_K, MOE_SCALING = 256, 2304, 1024, 8, 2.446
 MOE_PEER = "torch-gather-einsum"
 NOMINAL_GBPS = 4250.0  # the H200's HBM figure the task is stated against; the measured read ceiling sits beside it
 MOE_PARTS = ("moe_router", "moe_gate_up", "moe_down", "moe_layer", "moe_layer_plain", "moe_norm_layer")
-# moe_layer_plain's peer: the model's MoE block (ours: router and gate_up started early, PDL) against the same three
+# moe_layer_plain's peer: the model's MoE block (ours: router, gate_up and down started early, PDL) against the same three
 # launches issued plainly, so that the early starts are measured alone
 MOE_PLAIN_PEER = "the same launches without PDL"
 # moe_norm_layer: the add+norm before the block and the block, as a decode step runs them (the norm lets the

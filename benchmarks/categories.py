@@ -18,6 +18,7 @@ times sum to the busy time.
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 
@@ -75,20 +76,6 @@ def exclusive_lengths(intervals: list[tuple[float, float]]) -> list[float]:
     return out
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, cur_start, cur_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
-
-
 def decompose(events: Iterable[tuple[str, float, float]], steps: int) -> dict:
     """Decompose GPU kernel events `(name, start_us, duration_us)` covering `steps` decode steps.
 
@@ -119,8 +106,8 @@ def decompose(events: Iterable[tuple[str, float, float]], steps: int) -> dict:
     if kernel_us == 0:
         raise ValueError("all kernel events have zero duration")
     wall_us = max(e for _, e in intervals) - min(s for s, _ in intervals)
-    busy_us = _union_length(intervals)
     exclusive_us = exclusive_lengths(intervals)
+    busy_us = math.fsum(exclusive_us)  # exclusive lengths partition the union of the busy intervals
     excl = dict.fromkeys(CATEGORY_NAMES, 0.0)
     for cat, t in zip(cats, exclusive_us):
         excl[cat] += t

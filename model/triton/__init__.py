@@ -70,6 +70,12 @@ def compiled(kernel) -> bool:
     return type(kernel).__name__ != "InterpretedFunction"
 
 
+def pdl_capable(kernel, device: torch.device) -> bool:
+    """Whether `kernel` can take part in programmatic dependent launch (griddepcontrol) on `device`: compiled, on
+    CUDA (the interpreter has no griddepcontrol)."""
+    return device.type == "cuda" and compiled(kernel)
+
+
 def require_runnable(kernel, device: torch.device) -> None:
     """Clear error instead of a Triton crash when a compiled kernel is handed CPU tensors."""
     if device.type != "cuda" and compiled(kernel):

@@ -362,7 +362,7 @@ def pdl(kernel, device: torch.device, early: bool) -> dict:
     """Launch arguments for programmatic dependent launch (PDL) when `early`, compiled on CUDA only (the interpreter
     has no griddepcontrol): the kernel may start while the one before it still runs, and waits (`gdc_wait`) before
     it reads that kernel's output."""
-    on = early and device.type == "cuda" and mt.compiled(kernel)
+    on = early and mt.pdl_capable(kernel, device)
     return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
 
 

@@ -76,7 +76,7 @@ def _launch(x, weight, eps, *, res=None, gate=None, out_dtype, signal=True):
         _rmsnorm_kernel[(triton.cdiv(N, rows),)](x_rows, res, gate, weight, y, res_out, N, x_rows.stride(0), D,
                                                  float(eps), BD=BD, ROWS=rows, ADD_RES=res is not None,
                                                  GATED=gate is not None,
-                                                 SIGNAL=signal and x.is_cuda and mt.compiled(_rmsnorm_kernel),
+                                                 SIGNAL=signal and mt.pdl_capable(_rmsnorm_kernel, x.device),
                                                  num_warps=4 if BD <= 1024 else 8)
     return y, res_out
 
