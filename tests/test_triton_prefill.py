@@ -267,3 +267,54 @@ def test_gpu_grouped_moe_real_shapes(N):
     assert (y == ref).float().mean() > 0.8   # the GEMMs' orders differ; rounding elsewhere would differ far more
     again = ops.moe_experts(x, idx, w, gate_up, down, shared)
     assert torch.equal(y, again), "the combine must be deterministic"
+
+
+class _LateShared(torch.nn.Module):
+    """A shared expert whose output is NaN for its first ~1 ms on the GPU: it fills it with NaN, sleeps, then writes
+    the MLP's result. A combine that does not wait for the side stream reads the NaN."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        y = torch.full((x.shape[0], self.mlp.down_proj.out_features), float("nan"), dtype=x.dtype, device=x.device)
+        torch.cuda._sleep(2_000_000)
+        return y.copy_(self.mlp(x))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N", [17, 8192])
+@pytest.mark.parametrize("joined", [True, False])
+def test_gpu_shared_expert_beside_the_routed_ones(N, joined, monkeypatch):
+    """`ops.moe` at prefill sizes runs the shared expert on the side stream (`model.streams`) and joins it before the
+    combine: the bits of `moe_experts`, which runs it in line, even with a shared expert that writes late. Negative
+    control (joined=False): without the join the combine reads the late writer's NaN."""
+    g = torch.Generator(device=DEV).manual_seed(N)
+    D, I, E, K, bf = 2304, 1024, 256, 8, torch.bfloat16
+    x = torch.randn(N, D, generator=g, device=DEV).to(bf)
+    gate_up = (torch.randn(E, 2 * I, D, generator=g, device=DEV) / D ** 0.5).to(bf)
+    down = (torch.randn(E, D, I, generator=g, device=DEV) / I ** 0.5).to(bf)
+    idx, w = ops.moe_route_torch(torch.randn(N, E, generator=g, device=DEV), torch.zeros(E, device=DEV), K, 2.446,
+                                 True)
+    shared = MLP(D, I).to(bf).to(DEV).requires_grad_(False)
+    for p in shared.parameters():
+        p.copy_((torch.randn(p.shape, generator=g, device=DEV) * p.shape[-1] ** -0.5).to(bf))
+
+    class Gate:
+        top_k = K
+
+        def __call__(self, x):
+            return idx, w
+
+    ref = ops.moe_experts(x, idx, w, gate_up, down, shared)
+    if not joined:
+        monkeypatch.setattr(ops.streams, "join", lambda side: None)
+    y = ops.moe(x, Gate(), gate_up, down, _LateShared(shared))
+    torch.cuda.synchronize()
+    if joined:
+        assert torch.equal(y, ref)
+    else:
+        assert not torch.isfinite(y).all()
+
