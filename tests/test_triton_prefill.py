@@ -270,7 +270,7 @@ def test_gpu_grouped_moe_real_shapes(N):
 
 
 class _LateShared(torch.nn.Module):
-    """A shared expert whose output is NaN for its first ~10 ms on the GPU: it fills it with NaN, sleeps, then writes
+    """A shared expert whose output is NaN for its first ~1 ms on the GPU: it fills it with NaN, sleeps, then writes
     the MLP's result. A combine that does not wait for the side stream reads the NaN."""
 
     def __init__(self, mlp):
@@ -279,7 +279,7 @@ class _LateShared(torch.nn.Module):
 
     def forward(self, x):
         y = torch.full((x.shape[0], self.mlp.down_proj.out_features), float("nan"), dtype=x.dtype, device=x.device)
-        torch.cuda._sleep(20_000_000)  # ~10 ms: longer than all of the routed experts at 8192 tokens
+        torch.cuda._sleep(2_000_000)
         return y.copy_(self.mlp(x))
 
 
