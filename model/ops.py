@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from . import kda, norms, streams
+from . import kda, norms
 
 _VALID = ("auto", "torch", "triton")
 _override: str | None = None
@@ -221,14 +221,6 @@ def moe(x, gate, gate_up, down, shared=None):
         sw = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
         return fused_moe_decode(x, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.scaling, gate.renorm,
                                 gate_up, down, sw)
-    if shared is not None and _grouped(x):
-        # the shared expert's GEMMs on the side stream, beside the routing (small, latency-bound kernels) and the
-        # routed experts' GEMMs' last waves; joined before the combine reads them (`model.streams`)
-        side = streams.fork(x.device)
-        with torch.cuda.stream(side):
-            s = shared(x)
-        idx, w = gate(x)
-        return moe_experts_grouped(x, idx, w, gate_up, down, s, join=side)
     idx, w = gate(x)
     return moe_experts(x, idx, w, gate_up, down, shared)
 
@@ -267,32 +259,22 @@ def moe_experts(x, idx, w, gate_up, down, shared=None):
         sw = None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
         return fused_moe_small_batch(x, idx, w, gate_up, down, sw)
     s = None if shared is None else shared(x)
-    if _grouped(x):
+    if x.is_cuda and hasattr(F, "grouped_mm"):
         return moe_experts_grouped(x, idx, w, gate_up, down, s)
     y = moe_experts_torch(x, idx, w, gate_up, down)
     return (y if s is None else y + s.float()).to(x.dtype)
 
 
-def _grouped(x) -> bool:
-    """Whether `moe_experts` takes the grouped-GEMM form for these tokens (more than SMALL_BATCH, or torch forced,
-    on CUDA)."""
-    return x.is_cuda and hasattr(F, "grouped_mm") and not (_triton(x) and x.shape[0] <= SMALL_BATCH)
-
-
-def moe_experts_grouped(x, idx, w, gate_up, down, shared_out=None, join=None):
+def moe_experts_grouped(x, idx, w, gate_up, down, shared_out=None):
     """Grouped-GEMM form: the (token, expert) pairs sorted by expert, one grouped GEMM per projection for all
-    experts (prefill), then `moe_combine`; returns x's dtype. `join`: the side stream shared_out is computed on,
-    waited for before the combine."""
+    experts (prefill), then `moe_combine`; returns x's dtype."""
     N, K = idx.shape
     E, I = gate_up.shape[0], down.shape[2]
     order, offs = sort_by_expert(idx, E)
     gu = grouped_mm(moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
     h = silu_mul(gu[:, :I], gu[:, I:])
     out = grouped_mm(h, down.transpose(1, 2), offs)
-    slot = pair_rows(order).view(N, K)
-    if join is not None:
-        streams.join(join)
-    return moe_combine(out, slot, w, shared_out, x.dtype)
+    return moe_combine(out, pair_rows(order).view(N, K), w, shared_out, x.dtype)
 
 
 def pair_rows(order):

@@ -187,44 +187,6 @@ def test_chunk_rejects_a_bad_config():
         chunk_kda_fwd(q, k, v, g, beta, cfg=dict(warps=4))
     with pytest.raises(ValueError, match="scan_dots must be"):
         chunk_kda_fwd(q, k, v, g, beta, cfg=dict(scan_dots="fp16"))
-    for segment in (-32, 48, 32.0):
-        with pytest.raises(ValueError, match="segment must be"):
-            chunk_kda_fwd(q, k, v, g, beta, cfg=dict(segment=segment))
-
-
-@pytest.mark.parametrize("T,segment,dtype", [(130, 32, "fp32"), (130, 64, "bf16"), (128, 64, "fp32"),
-                                              (129, 128, "fp32"), (2, 32, "fp32")])
-@pytest.mark.parametrize("with_state,final", [(True, True), (False, True), (True, False)])
-def test_chunk_segments_give_the_bits_of_one_span(T, segment, dtype, with_state, final):
-    """CONFIG segment splits a batch-1 span into segments (prep, then scan from the state the last scan left): the
-    same kernels over the same chunks, so every bit of o and of the final state equals the one-span run's. Lengths
-    with a partial last segment, whole segments, two segments, and one (T <= segment: no split)."""
-    q, k, v, g, beta, h0 = kda_inputs(1, T, 2, 32, 16, "mixed", T + segment, DTYPES[dtype], with_state)
-    one = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=final, cfg=dict(segment=0))
-    seg = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=final, cfg=dict(segment=segment))
-    assert torch.isfinite(seg[0]).all() and torch.equal(seg[0], one[0])
-    assert (seg[1] is None) == (not final) and (not final or torch.equal(seg[1], one[1]))
-
-
-def test_chunk_segments_apply_at_batch_1_only():
-    """A span along T of a batch of several is not a view of the kernels' layout: batches run as one span, the
-    same bits as each sequence alone."""
-    q, k, v, g, beta, h0 = kda_inputs(2, 100, 2, 16, 16, "model", 6)
-    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=dict(segment=32))
-    o1, ht1 = chunk_kda_fwd(q[1:], k[1:], v[1:], g[1:], beta[1:], initial_state=h0[1:], cfg=dict(segment=32))
-    assert torch.equal(o[1:], o1) and torch.equal(ht[1:], ht1)
-
-
-def test_control_segments_that_drop_the_carried_state_are_caught(monkeypatch):
-    """The segment test's comparison sees a scan that starts a later segment from zeros instead of the state the
-    scan before it left."""
-    import model.triton.kda_chunk as kc
-    q, k, v, g, beta, h0 = kda_inputs(1, 130, 2, 32, 16, "model", 8)
-    one, _ = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
-    real = kc._scan
-    monkeypatch.setattr(kc, "_scan", lambda bufs, h, *a, **kw: real(bufs, h if h is h0 else None, *a, **kw))
-    broken, _ = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=dict(segment=64))
-    assert not torch.equal(broken[:, 64:], one[:, 64:]) and torch.equal(broken[:, :64], one[:, :64])
 
 
 def test_chunk_empty_sequence_returns_the_initial_state():
@@ -839,21 +801,6 @@ def check_chunk_real_shapes(B, T, dtype, cfg=None):
         no, nh = kda.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)
         assert_close(o, no, tol, "o vs fp64")
         assert_close(ht, nh, tol, "state vs fp64")
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("T,segment", [(8192, 2048), (8262, 1024), (65536, 4096)])
-def test_gpu_chunk_segments_give_the_bits_of_one_span(T, segment, dtype):
-    """On CUDA the segments' scans run on a side stream beside the next segment's prep: still every bit of the
-    one-span run, at 32 heads of 128 (a missing wait between the streams would read unwritten, NaN-poisoned
-    operands or a stale state)."""
-    q, k, v, g, beta, h0 = kda_inputs(1, T, 32, 128, 128, "model", T, DTYPES[dtype])
-    one = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=dict(segment=0))
-    for _ in range(3):
-        seg = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=dict(segment=segment))
-        assert torch.equal(seg[0], one[0]) and torch.equal(seg[1], one[1])
 
 
 @pytest.mark.gpu

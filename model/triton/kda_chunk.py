@@ -40,13 +40,6 @@ tokens, one key at a time from the tf32 default above (1.441 ms `13b829a1`; fla 
 `e9b5044e`): the scan with bf16 dots 1.244 ms at 4 warps `5565f1f0` (1.353 at 8 `59808207`, 1.281 with 16
 columns `783d7feb`), the prep with bf16 dots 1.388 ms `31f08412`. Both are the default now; the pair together
 was not in that sweep, and the benchmark's default case times it.
-Segments (CONFIG segment: tokens per segment, a multiple of the chunk; 0: off). At batch 1 the scan is 128 programs
-of 4 warps walking 256 chunks in order (8192 tokens): one program an SM, latency-bound, while the prep kernel, which
-fills the GPU, waits for nothing but its inputs. With segments, the prep kernel runs once per segment on the
-caller's stream and the scan once per segment on a high-priority side stream, each scan after its segment's prep
-and from the state the scan before it left (fp32, stored and reloaded exactly): the scan of one segment runs beside
-the prep of the next. Same kernels, same chunk boundaries, so the same bits as one span (tests hold this). Only at
-batch 1, where a span along T is a view of every input and output.
 Measured and removed: a "blocked" prep (the pairs inside 16-row sub-blocks by a walk of decay products instead
 of the four small levels' tl.dots, their inverse by forward substitution) was slower at every length and
 config: 8192 tokens 2.81 ms at best `31edc9ae`, 3.24 ms at the default tiles `50b812e5`. The dots of the small
@@ -59,14 +52,11 @@ import triton
 import triton.language as tl
 
 import model.triton as mt
-from model import streams
 
 # Launch config: the chunk length (BT, a power of two in [16, 64]), the prep kernel's column slice and warps, the
 # scan kernel's state columns per program and warps, and the dot operands of either kernel for bf16/fp16 inputs
-# (see "Precision"; fp32 inputs always take tf32x3), and the segment of the two-stream pipeline ("Segments"). See the
-# module docstring for how they were picked.
-CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=4, prep_dots="bf16", scan_dots="bf16",
-              segment=0)
+# (see "Precision"; fp32 inputs always take tf32x3). See the module docstring for how they were picked.
+CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=4, prep_dots="bf16", scan_dots="bf16")
 
 
 @triton.jit
@@ -334,9 +324,6 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
     for key in ("prep_dots", "scan_dots"):
         if c[key] not in ("tf32", "bf16"):
             raise ValueError(f"chunk_kda_fwd: cfg {key} must be 'tf32' or 'bf16', got {c[key]!r}")
-    if not isinstance(c["segment"], int) or c["segment"] < 0 or c["segment"] % BT:
-        raise ValueError(f"chunk_kda_fwd: cfg segment must be 0 or a positive multiple of the chunk ({BT}), "
-                         f"got {c['segment']!r}")
     mt.require_runnable(_kda_chunk_prep_kernel, q.device)
     scale = K ** -0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.to(device=q.device, dtype=torch.float32).contiguous()
@@ -351,74 +338,23 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
 
     (q, s_q), (k, s_k), (v, s_v), (g, s_g) = (_token_rows(x) for x in (q, k, v, g))
     beta = beta.contiguous()
+    NT = triton.cdiv(T, BT)
+    BH, dev = B * H, q.device
     exact = torch.float32 in (q.dtype, k.dtype, v.dtype)  # see "Precision" in the module docstring
-    meta = dict(scale=scale, l2norm=bool(l2norm_qk), strides=(s_q, s_k, s_v, s_g), exact=exact, c=c)
-    seg = c["segment"]
-    if not seg or B > 1 or T <= seg:
-        _span(q, k, v, g, beta, h0, ht, o, **meta)
-        return o, ht
-    # Segments (see "Segments" in the module docstring): prep kernels on the caller's stream, scans on the side
-    # stream (`model.streams`), each scan after its own prep and the scan before it. Every buffer is made on the
-    # caller's stream before the fork and freed after the join.
-    starts = range(0, T, seg)
-    hs = [h0] + [mt.empty(B, H, K, V, dtype=torch.float32, device=q.device) for _ in starts[1:]] + [ht]
-    bufs = [_buffers(q, v, min(seg, T - t0), BT, exact) for t0 in starts]
-    side = streams.fork(q.device) if q.is_cuda else None
-    for i, t0 in enumerate(starts):
-        span = slice(t0, t0 + seg)
-        _prep(q[:, span], k[:, span], v[:, span], g[:, span], beta[:, span], bufs[i], **meta)
-        if side is None:
-            _scan(bufs[i], hs[i], hs[i + 1], o[:, span], **meta)
-            continue
-        ready = torch.cuda.current_stream(q.device).record_event()
-        with torch.cuda.stream(side):
-            side.wait_event(ready)
-            _scan(bufs[i], hs[i], hs[i + 1], o[:, span], **meta)
-    if side is not None:
-        streams.join(side)
-    return o, ht
-
-
-def _buffers(q, v, T: int, BT: int, exact: bool) -> tuple:
-    """The prep kernel's outputs for a span of T tokens: w, qw, kd [B*H, NT*BT, K], u, ou [B*H, NT*BT, V]
-    (fp32 for fp32 inputs, else bf16; see "Precision"), eglast [B*H, NT, K] fp32."""
-    B, _, H, K = q.shape
-    V, NT, dev = v.shape[-1], triton.cdiv(T, BT), q.device
-    store = torch.float32 if exact else torch.bfloat16
-    return (*(mt.empty(B * H, NT * BT, K, dtype=store, device=dev) for _ in range(3)),
-            *(mt.empty(B * H, NT * BT, V, dtype=store, device=dev) for _ in range(2)),
-            mt.empty(B * H, NT, K, dtype=torch.float32, device=dev))
-
-
-def _span(q, k, v, g, beta, h0, ht, o, **meta) -> None:
-    """One span, prep then scan, on the current stream."""
-    bufs = _buffers(q, v, q.shape[1], meta["c"]["chunk"], meta["exact"])
-    _prep(q, k, v, g, beta, bufs, **meta)
-    _scan(bufs, h0, ht, o, **meta)
-
-
-def _prep(q, k, v, g, beta, bufs, scale, l2norm, strides, exact, c) -> None:
-    """The prep kernel over a span of tokens q..beta [B, T, ...] (read through `strides`, the rows' strides of the
-    whole tensors: a span along T of batch 1 is a view) into `bufs` (`_buffers`)."""
-    B, T, H, K = q.shape
-    V, BT = v.shape[-1], c["chunk"]
-    s_q, s_k, s_v, s_g = strides
-    _kda_chunk_prep_kernel[(triton.cdiv(T, BT), B * H)](
-        q, k, v, g, beta, *bufs, T, triton.cdiv(T, BT), scale,
-        H=H, K=K, V=V, BT=BT, BK=min(c["slice"], K, V), LOG2_BT=BT.bit_length() - 1, L2NORM=l2norm,
-        PREC="tf32x3" if exact else "tf32", S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
-        BF16_DOTS=not exact and c["prep_dots"] == "bf16", COMPILED=mt.compiled(_kda_chunk_prep_kernel),
-        num_warps=c["prep_warps"])
-
-
-def _scan(bufs, h0, ht, o, scale, l2norm, strides, exact, c) -> None:
-    """The scan kernel over a span's `bufs` from state h0 (None: zeros) into o [B, T, H, V] (a view of batch 1
-    along T is contiguous) and, unless None, the final state ht."""
-    B, T, H, V = o.shape
-    K, BT = bufs[0].shape[-1], c["chunk"]
+    prec, store = ("tf32x3", torch.float32) if exact else ("tf32", torch.bfloat16)
+    w, qw, kd = (mt.empty(BH, NT * BT, K, dtype=store, device=dev) for _ in range(3))
+    u, ou = (mt.empty(BH, NT * BT, V, dtype=store, device=dev) for _ in range(2))
+    eglast = mt.empty(BH, NT, K, dtype=torch.float32, device=dev)
+    _kda_chunk_prep_kernel[(NT, BH)](q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, scale,
+                                     H=H, K=K, V=V, BT=BT, BK=min(c["slice"], K, V), LOG2_BT=BT.bit_length() - 1,
+                                     L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
+                                     BF16_DOTS=not exact and c["prep_dots"] == "bf16",
+                                     COMPILED=mt.compiled(_kda_chunk_prep_kernel), num_warps=c["prep_warps"])
     BV = min(V, c["scan_bv"])
-    _kda_chunk_scan_kernel[(V // BV, B * H)](
-        *bufs, h0, ht, o, T, triton.cdiv(T, BT),
-        H=H, K=K, V=V, BT=BT, BV=BV, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-        PREC="tf32x3" if exact else "tf32", BF16_DOTS=not exact and c["scan_dots"] == "bf16",
-        COMPILED=mt.compiled(_kda_chunk_scan_kernel), num_warps=c["scan_warps"], num_stages=1)
+    _kda_chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
+                                          H=H, K=K, V=V, BT=BT, BV=BV, HAS_H0=h0 is not None,
+                                          STORE_HT=ht is not None, PREC=prec,
+                                          BF16_DOTS=not exact and c["scan_dots"] == "bf16",
+                                          COMPILED=mt.compiled(_kda_chunk_scan_kernel),
+                                          num_warps=c["scan_warps"], num_stages=1)
+    return o, ht
