@@ -4,6 +4,7 @@
         [--chunk-T 1024,8192,32768] [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
         [--chunk-sweep] [--decode-sweep] [--conv-sweep]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
+    python -m benchmarks.bench_kernels --ops moe_prefill [--prefill-T 8192]
     python -m benchmarks.bench_kernels --ops mla_decode_layout [--mla-T 1056,8192]
     python -m benchmarks.bench_kernels --ops mla_absorb
     python -m benchmarks.bench_kernels --ops moe_prefill_rows [--prefill-T 8192]
@@ -23,7 +24,9 @@ FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=
 - prefill plumbing, batch 1, T tokens, the 48B's shapes, against the torch forms they replace (peer `torch`):
   `causal_conv1d` (3*H*D channels, 4 taps, from carried taps: ours must match torch's bits, rel_err 0) and
   `moe_combine` (T tokens x top-8 expert rows of 2304 plus the shared expert's, vs the index_add-into-fp32
-  combine the grouped MoE used before).
+  combine the grouped MoE used before); `moe_prefill` (not in the default --ops: the fused Triton grouped
+  GEMMs of model/triton/moe_grouped.py, under evaluation, against the torch form the model runs, with a sweep
+  of tile configs in `results.sweep`).
 Times are medians of `triton.testing.do_bench` (L2 flushed before each call, CUDA events: GPU time), the same
 method for ours and the peer; decode shapes also record back-to-back eager times (host launch cost included).
 For kernels of a few tens of microseconds do_bench is a poor guide to the time inside the model's decode graph
@@ -467,6 +470,30 @@ def balanced_counts(n: int, E: int) -> torch.Tensor:
     return torch.full((E,), n // E, dtype=torch.int64) + (torch.arange(E) < n % E)
 
 
+def first_router(preset: str, device: str):
+    """The first MoE layer's router of `preset` with the synthetic weights (seed 0) the benchmarks' model has: the
+    spread of rows over the experts that the model's prefill MoE sees (`router_desc`)."""
+    from model.config import get_config
+    from model.layers import Router
+    from model.weights import synthetic_tensor
+    cfg = get_config(preset)
+    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
+    router = Router(cfg).to(device)
+    name = f"model.layers.{layer}.block_sparse_moe.gate."
+    with torch.no_grad():
+        router.weight.copy_(synthetic_tensor(cfg, name + "weight", device=device))
+        router.e_score_correction_bias.copy_(synthetic_tensor(cfg, name + "e_score_correction_bias", device=device))
+    router.pack_()
+    return router
+
+
+def router_desc(preset: str) -> str:
+    from model.config import get_config
+    cfg = get_config(preset)
+    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
+    return f"model.layers.{layer} of {preset}, synthetic seed 0, inputs N(0, 1)"
+
+
 def moe_rows_case(T: int, rep_ms: int, device: str = "cuda", preset: str = "48b-a3b") -> dict:
     """The prefill MoE's expert GEMMs (`ops.grouped_mm` gate_up, `ops.silu_mul`, `ops.grouped_mm` down: the
     model's path without the dispatch and combine copies) for T tokens of `preset` at the rows per expert its
@@ -477,27 +504,17 @@ def moe_rows_case(T: int, rep_ms: int, device: str = "cuda", preset: str = "48b-
     is checked against one torch.mm per expert for the first experts. One `kernel` record."""
     from model import ops
     from model.config import get_config
-    from model.layers import Router
-    from model.weights import synthetic_tensor
     cfg = get_config(preset)
-    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
     E, Dm, I, K = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_token
     params = {"op": "moe_prefill_rows", "B": 1, "T": T, "H": E, "d": Dm, "dtype": "bfloat16", "I": I, "K": K,
-              "router": f"model.layers.{layer} of {preset}, synthetic seed 0, inputs N(0, 1)",
+              "router": router_desc(preset),
               "ours_scope": "grouped gate_up + silu_mul + grouped down at the router's rows per expert",
               "peer_scope": "the same GEMMs with the same number of rows balanced across the experts"}
     results, reasons = {"peer": "balanced rows", "timing": "do_bench"}, []
     try:
-        router = Router(cfg).to(device)
-        name = f"model.layers.{layer}.block_sparse_moe.gate."
-        with torch.no_grad():
-            router.weight.copy_(synthetic_tensor(cfg, name + "weight", device=device))
-            router.e_score_correction_bias.copy_(synthetic_tensor(cfg, name + "e_score_correction_bias",
-                                                                  device=device))
-        router.pack_()
         g = torch.Generator(device=device).manual_seed(T)
         x = torch.randn(T, Dm, generator=g, device=device).to(DTYPE)
-        idx, _ = router(x)
+        idx = first_router(preset, device)(x)[0]
         counts = torch.bincount(idx.flatten().cpu(), minlength=E)
         cases = {"ours": counts, "peer": balanced_counts(T * K, E)}
         rows = torch.randn(T * K, Dm, generator=g, device=device).to(DTYPE)
@@ -682,7 +699,62 @@ def combine_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     return res, []
 
 
-TORCH_PEER_CASES = {"causal_conv1d": conv_case, "moe_combine": combine_case}
+# moe_prefill: tile configs of the fused grouped GEMMs timed beside the default (results.sweep); the first is the
+# config of 5c8ff18's candidate in its program order (row tiles fastest, 2.863 ms at its best tiles, 76616f44)
+MOE_PREFILL_SWEEP = ([dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=3, n_fastest=False)]
+                     + [dict(BM=bm, BN=bn, BK=64, num_warps=w, num_stages=st, n_fastest=True)
+                        for bm, bn, w in ((64, 128, 4), (128, 128, 8), (128, 64, 4), (64, 256, 8), (128, 256, 8))
+                        for st in (3, 4)])
+
+
+def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
+    """The prefill MoE's expert GEMMs for T tokens at the 48B's shapes (256 experts, top-8, D 2304, I 1024, bf16)
+    at the rows per expert the model's first router gives (`first_router`), from the same sorted pairs: the fused
+    Triton form (`moe_grouped`: dispatch and SwiGLU fused in) against the torch form the model runs (dispatch copy,
+    torch's grouped GEMM, silu_mul, grouped GEMM). The sort and the combine, common to both, are left out."""
+    from model import ops
+    from model.triton import moe_grouped as mg
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    K, E, Dm, I = 8, 256, 2304, 1024
+    x = torch.randn(T, Dm, generator=gen, device="cuda").to(DTYPE)
+    gate_up = (torch.randn(E, 2 * I, Dm, generator=gen, device="cuda") / Dm ** 0.5).to(DTYPE)
+    down = (torch.randn(E, Dm, I, generator=gen, device="cuda") / I ** 0.5).to(DTYPE)
+    idx = first_router("48b-a3b", "cuda")(x)[0]
+    order, offs = ops.sort_by_expert(idx, E)
+
+    def torch_form():
+        gu = ops.grouped_mm(ops.moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
+        return ops.grouped_mm(ops.silu_mul(gu[:, :I], gu[:, I:]), down.transpose(1, 2), offs)
+
+    def fused(cfg=None):
+        return mg.experts(x, order, offs, gate_up, down, K, cfg)
+
+    flops = 2 * T * K * 3 * Dm * I
+    ref = torch_form()
+    res = {"ours_ms": gpu_ms(fused, rep_ms), "peer_ms": gpu_ms(torch_form, rep_ms),
+           "rel_err_vs_peer": rel_err(fused(), ref), "peer": f"torch-{torch.__version__} grouped_mm",
+           "router": router_desc("48b-a3b"), "cfg": {k: v for k, v in mg.CONFIG.items() if k != "enabled"},
+           "sweep": []}
+    for cfg in MOE_PREFILL_SWEEP:
+        try:
+            err = rel_err(fused(cfg), ref)
+            res["sweep"].append({"cfg": cfg, "ms": gpu_ms(lambda: fused(cfg), rep_ms), "rel_err_vs_peer": err})
+        except Exception as e:  # a config that does not compile or launch is reported, not fatal
+            res["sweep"].append({"cfg": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    res["tflops_ours"], res["tflops_peer"] = (flops / (res[k] * 1e9) for k in ("ours_ms", "peer_ms"))
+    log(f"  moe_prefill T={T}: fused {res['ours_ms']:.3f} ms ({res['tflops_ours']:.0f} TFLOP/s), torch form "
+        f"{res['peer_ms']:.3f} ms ({res['tflops_peer']:.0f}); sweep " +
+        ", ".join(f"{c['cfg']['BM']}x{c['cfg']['BN']}x{c['cfg']['BK']}/{c['cfg']['num_warps']}w/"
+                  f"{c['cfg']['num_stages']}s/{'n' if c['cfg']['n_fastest'] else 'rows'} "
+                  f"{c.get('ms', float('nan')):.3f}" for c in res["sweep"]))
+    reasons = [] if res["rel_err_vs_peer"] < 1e-2 else [f"fused output differs from the torch form's: rel_err "
+                                                        f"{res['rel_err_vs_peer']:.2e}"]
+    reasons += [f"sweep config {c['cfg']} differs from the torch form's: rel_err {c['rel_err_vs_peer']:.2e}"
+                for c in res["sweep"] if c.get("rel_err_vs_peer", 0) >= 1e-2]
+    return res, reasons
+
+
+TORCH_PEER_CASES = {"causal_conv1d": conv_case, "moe_combine": combine_case, "moe_prefill": moe_prefill_case}
 
 
 def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int, device: str = "cuda") -> dict:
@@ -698,7 +770,8 @@ def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: in
         params.update(H=MLA_H, d=MLA_R + MLA_P, ours_scope="split-K kernel + combine, positions 0..T-1 read",
                       peer_scope="bf16 einsums + softmax over the whole T-position buffer")
     if op in TORCH_PEER_CASES:
-        params.update(peer_scope="the torch form this replaces")
+        params.update(peer_scope="the torch form the model runs; ours under evaluation" if op == "moe_prefill"
+                      else "the torch form this replaces")
     log(f"{op} B={B} T={T} ...")
     try:
         if op == "mla_decode":
@@ -999,7 +1072,7 @@ def main(argv=None) -> None:
     ap.add_argument("--decode-B", type=ints, default=(1, 8, 64))
     ap.add_argument("--mla-T", type=ints, default=(1024, 32768, 131072), help="mla_decode contexts (batch 1)")
     ap.add_argument("--prefill-T", type=ints, default=(8192,),
-                    help="token counts for the causal_conv1d, moe_combine and moe_prefill_rows cases")
+                    help="token counts for the causal_conv1d, moe_combine, moe_prefill_rows and moe_prefill cases")
     ap.add_argument("--moe-N", type=ints, default=(1, 8), help="tokens per MoE decode step (moe_decode)")
     ap.add_argument("--moe-sweep", action="store_true", help="moe_decode: also time every tile config of the grid")
     ap.add_argument("--decode-sweep", action="store_true",

@@ -722,6 +722,17 @@ def sm90_spills() -> dict:
     out["moe_dispatch"] = stack_bytes(moe_dispatch._moe_dispatch_kernel, {"x": bf, "order": "*i64", "y": bf, "M": "i32"},
                                       dict(K=K, D=2304, BR=moe_dispatch.DISPATCH["BR"], BD=moe_dispatch.DISPATCH["BD"]),
                                       num_warps=moe_dispatch.DISPATCH["num_warps"])
+    from model.triton import moe_grouped as mg
+    gc = mg.CONFIG
+    tiles = dict(BM=gc["BM"], BN=gc["BN"], BK=gc["BK"], N_FASTEST=gc["n_fastest"], COMPILED=True)
+    out["moe_grouped_gate_up"] = stack_bytes(
+        mg._gate_up_silu_kernel, {"x": bf, "order": "*i64", "w": bf, "h": bf, **dict.fromkeys(
+            ["tile_e", "tile_r0", "offs"], "*i32"), "n_tiles": "i32"}, dict(K=K, D=2304, I=1024, **tiles),
+        num_warps=gc["num_warps"], num_stages=gc["num_stages"])
+    out["moe_grouped_down"] = stack_bytes(
+        mg._down_kernel, {"h": bf, "w": bf, "out": bf, **dict.fromkeys(["tile_e", "tile_r0", "offs"], "*i32"),
+                          "n_tiles": "i32"},
+        dict(D=2304, I=1024, **tiles), num_warps=gc["num_warps"], num_stages=gc["num_stages"])
     from model.triton import act
     out["silu_mul"] = stack_bytes(act._silu_mul_kernel, {**dict.fromkeys("guh", bf), "N": "i32", "I": "i32",
                                                          "stride_g": "i32", "stride_u": "i32"},
@@ -765,6 +776,7 @@ def test_kernels_compile_for_the_h200():
     assert spills["prep_fp32"] <= 1024 and spills["scan_fp32"] <= 1536, spills
     assert spills["moe_router"] == 0, spills
     assert spills["conv"] == 0 and spills["moe_combine"] == 0 and spills["moe_dispatch"] == 0, spills
+    assert spills["moe_grouped_gate_up"] == 0 and spills["moe_grouped_down"] == 0, spills
     assert spills["silu_mul"] == 0 and spills["kda_gate"] == 0, spills
 
 

@@ -1,0 +1,170 @@
+"""Grouped expert GEMMs of the prefill MoE in Triton, with the dispatch and the SwiGLU fused in: an alternative
+to `model.ops.moe_experts_grouped`'s torch form (dispatch copy, torch's grouped GEMM, `silu_mul`, grouped GEMM),
+the twin of `model.ops.moe_experts_torch` up to fp32 summation order (`experts`). NOT the model's path until measured:
+`CONFIG["enabled"]` is False, and `bench_kernels --ops moe_prefill` times it beside the torch form.
+
+Why it might pay (the 8k prefill of the 48B model, decomposition 4af01266): torch's grouped GEMMs take 51.3 ms,
+about 470 TFLOP/s, and around them the dispatch copy (3.2 ms) and silu_mul (3.1 ms) move 0.7 GB a layer. Here
+the gate_up kernel reads each (token, slot) pair's row of x straight from x (through the sorted pair order),
+holds the gate and up tiles of one column block side by side, and writes only h = silu(gate) * up; the down
+kernel writes the expert outputs in the sorted order that `moe_combine` reads. Row tiles are BM rows of one
+expert, so an expert with n rows costs ceil(n / BM) tiles (torch's kernel picks its own, larger, tiles).
+
+Tiles: `expert_tiles` lays out, on the device and without a host sync, the row tiles of every expert in order;
+the grid has room for the most tiles any routing can need (cdiv(M, BM) + E), and programs past the last tile
+return at once.
+
+Rounding follows the torch form: gate and up rounded to the model dtype (as the grouped GEMM's output is),
+silu in fp32 with an IEEE exp and division rounded to the model dtype, the product rounded (as `silu_mul`);
+the down GEMM's output rounded to the model dtype. bf16 only (the experts and the tokens): other dtypes keep
+the torch form.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import model.triton as mt
+from model.triton.act import _silu_f32
+from model.triton.kda_chunk import _rounded
+
+CONFIG = dict(enabled=False, BM=64, BN=128, BK=64, num_warps=4, num_stages=3, n_fastest=True)
+
+
+@triton.jit
+def _to(x, dtype: tl.constexpr, COMPILED: tl.constexpr):
+    """fp32 x rounded to dtype, to nearest even: the interpreter's cast truncates (`kda_chunk._rounded`)."""
+    if COMPILED:
+        return x.to(dtype)
+    return _rounded(x, dtype)
+
+
+@triton.jit
+def _dot(a, b, acc, COMPILED: tl.constexpr):
+    """acc + a @ b on tensor cores; under the interpreter (whose bf16 tl.dot is wrong in Triton 3.6) the same bf16
+    values as fp32 in an IEEE dot: the same exact products, summed in another order."""
+    if COMPILED:
+        return tl.dot(a, b, acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def _program_tile(n_tiles, NB: tl.constexpr, N_FASTEST: tl.constexpr):
+    """(row tile, column block) of this program in the 1-d grid of n_tiles x NB. N_FASTEST: a row tile's column
+    blocks are consecutive programs, so they run together and read its rows of x (or h) once from DRAM, and the
+    few row tiles of one expert run within a wave of each other and share its weight tiles through L2. Else row
+    tiles vary fastest: every column block rereads all the rows (the order of 5c8ff18's candidate)."""
+    pid = tl.program_id(0)
+    if N_FASTEST:
+        return pid // NB, pid % NB
+    return pid % n_tiles, pid // n_tiles
+
+
+@triton.jit
+def _row_tile(tile_e, tile_r0, offs, t, BM: tl.constexpr):
+    """(expert, rows, live rows) of row tile t (`expert_tiles`); expert -1 past the last tile."""
+    e = tl.load(tile_e + t)
+    r = tl.load(tile_r0 + t) + tl.arange(0, BM)
+    return e, r, r < tl.load(offs + tl.maximum(e, 0))
+
+
+@triton.jit
+def _gate_up_silu_kernel(x, order, w, h, tile_e, tile_r0, offs, n_tiles, K: tl.constexpr, D: tl.constexpr,
+                         I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         N_FASTEST: tl.constexpr, COMPILED: tl.constexpr):
+    """Grid (n_tiles * cdiv(I, BN),) (`_program_tile`). x [N, D]; order [M] sorted pairs (flat n*K + k);
+    w [E, 2I, D] (gate rows, then up rows); h [M, I]; tile_e / tile_r0 [n_tiles] int32 (expert, first row;
+    expert -1 past the last tile); offs [E] int32 row ends."""
+    t, nb = _program_tile(n_tiles, tl.cdiv(I, BN), N_FASTEST)
+    e, r, live = _row_tile(tile_e, tile_r0, offs, t, BM)
+    if e < 0:  # past the last tile
+        return
+    tok = (tl.load(order + r, mask=live, other=0) // K).to(tl.int64)
+    n = nb * BN + tl.arange(0, BN)
+    m_n = n < I
+    kk = tl.arange(0, BK)
+    a_p = x + tok[:, None] * D + kk[None, :]
+    g_p = w + e.to(tl.int64) * (2 * I * D) + n[None, :] * D + kk[:, None]   # [BK, BN]: gate rows, transposed
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        m_k = k0 + kk < D
+        a = tl.load(a_p + k0, mask=live[:, None] & m_k[None, :], other=0.)
+        b_g = tl.load(g_p + k0, mask=m_k[:, None] & m_n[None, :], other=0.)
+        b_u = tl.load(g_p + I * D + k0, mask=m_k[:, None] & m_n[None, :], other=0.)
+        acc_g = _dot(a, b_g, acc_g, COMPILED)
+        acc_u = _dot(a, b_u, acc_u, COMPILED)
+    dt = h.dtype.element_ty
+    g = _to(acc_g, dt, COMPILED).to(tl.float32)
+    s = _to(_silu_f32(g, COMPILED), dt, COMPILED).to(tl.float32)
+    out = _to(s * _to(acc_u, dt, COMPILED).to(tl.float32), dt, COMPILED)
+    tl.store(h + r.to(tl.int64)[:, None] * I + n[None, :], out, mask=live[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _down_kernel(h, w, out, tile_e, tile_r0, offs, n_tiles, D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, N_FASTEST: tl.constexpr, COMPILED: tl.constexpr):
+    """Grid (n_tiles * cdiv(D, BN),) (`_program_tile`). h [M, I] (sorted rows); w [E, D, I]; out [M, D] (sorted
+    rows)."""
+    t, nb = _program_tile(n_tiles, tl.cdiv(D, BN), N_FASTEST)
+    e, r, live = _row_tile(tile_e, tile_r0, offs, t, BM)
+    if e < 0:  # past the last tile
+        return
+    r64 = r.to(tl.int64)
+    n = nb * BN + tl.arange(0, BN)
+    m_n = n < D
+    kk = tl.arange(0, BK)
+    a_p = h + r64[:, None] * I + kk[None, :]
+    b_p = w + e.to(tl.int64) * (D * I) + n[None, :] * I + kk[:, None]       # [BK, BN]: rows of w[e], transposed
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        m_k = k0 + kk < I
+        a = tl.load(a_p + k0, mask=live[:, None] & m_k[None, :], other=0.)
+        b = tl.load(b_p + k0, mask=m_k[:, None] & m_n[None, :], other=0.)
+        acc = _dot(a, b, acc, COMPILED)
+    tl.store(out + r64[:, None] * D + n[None, :], _to(acc, out.dtype.element_ty, COMPILED),
+             mask=live[:, None] & m_n[None, :])
+
+
+def expert_tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tile_e, tile_r0), each [cdiv(M, BM) + E] int32: the expert and first row of every row tile, experts in
+    order, each expert's rows offs[e-1]:offs[e] cut into tiles of BM; -1 / 0 past the last tile. Device ops only
+    (no host sync); the length is the most tiles any routing of M rows over E experts can need."""
+    E = offs.numel()
+    offs = offs.long()
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    tiles = (offs - starts + BM - 1) // BM
+    tile_end = torch.cumsum(tiles, 0)
+    t = torch.arange(triton.cdiv(M, BM) + E, device=offs.device)
+    e = torch.searchsorted(tile_end, t, right=True)           # E for t past the last tile
+    live = e < E
+    e_c = e.clamp(max=E - 1)
+    r0 = starts[e_c] + (t - (tile_end[e_c] - tiles[e_c])) * BM
+    return torch.where(live, e, -1).to(torch.int32), torch.where(live, r0, 0).to(torch.int32)
+
+
+def experts(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, down_w: torch.Tensor,
+            K: int, cfg: dict | None = None) -> torch.Tensor:
+    """out [M, D] = W2[e] (silu(W1[e] x_r) * W3[e] x_r) for each sorted pair row r (token order[r] // K, expert e
+    by offs), in the sorted order, rounded as the torch form rounds. `cfg` overrides keys of CONFIG."""
+    c = mt.launch_config("moe_grouped.experts", CONFIG, cfg)
+    N, D = x.shape
+    E, I2, D2 = gate_up.shape
+    M, I = order.numel(), I2 // 2
+    if D2 != D or M != N * K or offs.shape != (E,) or down_w.shape != (E, D, I):
+        raise ValueError(f"moe_grouped.experts: x {tuple(x.shape)}, order {tuple(order.shape)}, offs "
+                         f"{tuple(offs.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down_w.shape)} do not "
+                         f"fit K={K}")
+    mt.require_runnable(_gate_up_silu_kernel, x.device)
+    tiles = expert_tiles(offs, M, c["BM"])  # one layout for both GEMMs: the same rows, the same tiles
+    n_tiles = tiles[0].numel()
+    launch = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], N_FASTEST=bool(c["n_fastest"]),
+                  COMPILED=mt.compiled(_gate_up_silu_kernel), num_warps=c["num_warps"], num_stages=c["num_stages"])
+    h = mt.empty(M, I, dtype=x.dtype, device=x.device)
+    _gate_up_silu_kernel[(n_tiles * triton.cdiv(I, c["BN"]),)](
+        x.contiguous(), order, gate_up.contiguous(), h, *tiles, offs, n_tiles, K=K, D=D, I=I, **launch)
+    out = mt.empty(M, D, dtype=x.dtype, device=x.device)
+    _down_kernel[(n_tiles * triton.cdiv(D, c["BN"]),)](
+        h, down_w.contiguous(), out, *tiles, offs, n_tiles, D=D, I=I, **launch)
+    return out
