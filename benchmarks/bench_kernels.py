@@ -699,19 +699,23 @@ def combine_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     return res, []
 
 
-# moe_prefill: tile configs of the fused grouped GEMMs timed beside the default (results.sweep); the first is the
-# config of 5c8ff18's candidate in its program order (row tiles fastest, 2.863 ms at its best tiles, 76616f44)
-MOE_PREFILL_SWEEP = ([dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=3, n_fastest=False)]
-                     + [dict(BM=bm, BN=bn, BK=64, num_warps=w, num_stages=st, n_fastest=True)
-                        for bm, bn, w in ((64, 128, 4), (128, 128, 8), (128, 64, 4), (64, 256, 8), (128, 256, 8))
-                        for st in (3, 4)])
+# moe_prefill: each fused kernel's tile configs, timed alone against the part of the torch form it replaces
+# (results.sweep); the default tiles also in 5c8ff18's program order (row tiles fastest), whose best tiles took
+# 2.863 ms for both kernels (76616f44)
+MOE_GATE_UP_SWEEP = [dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st) for bm, bn, bk, w, st in (
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 128, 32, 8, 5), (128, 128, 128, 8, 2),
+    (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 256, 32, 8, 4))]
+MOE_DOWN_SWEEP = [dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st) for bm, bn, bk, w, st in (
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
+    (64, 256, 64, 4, 3), (128, 64, 64, 4, 4))]
 
 
 def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     """The prefill MoE's expert GEMMs for T tokens at the 48B's shapes (256 experts, top-8, D 2304, I 1024, bf16)
     at the rows per expert the model's first router gives (`first_router`), from the same sorted pairs: the fused
     Triton form (`moe_grouped`: dispatch and SwiGLU fused in) against the torch form the model runs (dispatch copy,
-    torch's grouped GEMM, silu_mul, grouped GEMM). The sort and the combine, common to both, are left out."""
+    torch's grouped GEMM, silu_mul, grouped GEMM). The sort and the combine, common to both, are left out. The
+    sweep times each kernel alone: gate_up (+ dispatch + silu_mul in the torch form) and down."""
     from model import ops
     from model.triton import moe_grouped as mg
     gen = torch.Generator(device="cuda").manual_seed(T)
@@ -722,31 +726,43 @@ def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     idx = first_router("48b-a3b", "cuda")(x)[0]
     order, offs = ops.sort_by_expert(idx, E)
 
-    def torch_form():
+    def torch_gate_up():
         gu = ops.grouped_mm(ops.moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
-        return ops.grouped_mm(ops.silu_mul(gu[:, :I], gu[:, I:]), down.transpose(1, 2), offs)
+        return ops.silu_mul(gu[:, :I], gu[:, I:])
+
+    h = torch_gate_up()
+
+    def torch_down(h=h):
+        return ops.grouped_mm(h, down.transpose(1, 2), offs)
 
     def fused(cfg=None):
         return mg.experts(x, order, offs, gate_up, down, K, cfg)
 
     flops = 2 * T * K * 3 * Dm * I
-    ref = torch_form()
-    res = {"ours_ms": gpu_ms(fused, rep_ms), "peer_ms": gpu_ms(torch_form, rep_ms),
+    ref, ref_down = torch_down(torch_gate_up()), torch_down()
+    res = {"ours_ms": gpu_ms(fused, rep_ms), "peer_ms": gpu_ms(lambda: torch_down(torch_gate_up()), rep_ms),
+           "peer_gate_up_ms": gpu_ms(torch_gate_up, rep_ms), "peer_down_ms": gpu_ms(torch_down, rep_ms),
            "rel_err_vs_peer": rel_err(fused(), ref), "peer": f"torch-{torch.__version__} grouped_mm",
            "router": router_desc("48b-a3b"), "cfg": {k: v for k, v in mg.CONFIG.items() if k != "enabled"},
            "sweep": []}
-    for cfg in MOE_PREFILL_SWEEP:
+    cases = ([("gate_up", {"gate_up": k}) for k in MOE_GATE_UP_SWEEP] + [("down", {"down": k}) for k in MOE_DOWN_SWEEP]
+             + [("gate_up", {"n_fastest": False}), ("down", {"n_fastest": False})])
+    for kernel, cfg in cases:
+        if kernel == "gate_up":
+            run, want = (lambda cfg=cfg: mg.gate_up_silu(x, order, offs, gate_up, K, cfg)), h
+        else:
+            run, want = (lambda cfg=cfg: mg.down(h, offs, down, cfg)), ref_down
         try:
-            err = rel_err(fused(cfg), ref)
-            res["sweep"].append({"cfg": cfg, "ms": gpu_ms(lambda: fused(cfg), rep_ms), "rel_err_vs_peer": err})
+            err = rel_err(run(), want)
+            res["sweep"].append({"kernel": kernel, "cfg": cfg, "ms": gpu_ms(run, rep_ms), "rel_err_vs_peer": err})
         except Exception as e:  # a config that does not compile or launch is reported, not fatal
-            res["sweep"].append({"cfg": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            res["sweep"].append({"kernel": kernel, "cfg": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
     res["tflops_ours"], res["tflops_peer"] = (flops / (res[k] * 1e9) for k in ("ours_ms", "peer_ms"))
     log(f"  moe_prefill T={T}: fused {res['ours_ms']:.3f} ms ({res['tflops_ours']:.0f} TFLOP/s), torch form "
-        f"{res['peer_ms']:.3f} ms ({res['tflops_peer']:.0f}); sweep " +
-        ", ".join(f"{c['cfg']['BM']}x{c['cfg']['BN']}x{c['cfg']['BK']}/{c['cfg']['num_warps']}w/"
-                  f"{c['cfg']['num_stages']}s/{'n' if c['cfg']['n_fastest'] else 'rows'} "
-                  f"{c.get('ms', float('nan')):.3f}" for c in res["sweep"]))
+        f"{res['peer_ms']:.3f} ms ({res['tflops_peer']:.0f}): gate_up part {res['peer_gate_up_ms']:.3f}, down "
+        f"{res['peer_down_ms']:.3f}; sweep:")
+    for c in res["sweep"]:
+        log(f"    {c['kernel']:8s} {c['cfg']} {c.get('ms', float('nan')):.3f} ms {c.get('error', '')}")
     reasons = [] if res["rel_err_vs_peer"] < 1e-2 else [f"fused output differs from the torch form's: rel_err "
                                                         f"{res['rel_err_vs_peer']:.2e}"]
     reasons += [f"sweep config {c['cfg']} differs from the torch form's: rel_err {c['rel_err_vs_peer']:.2e}"

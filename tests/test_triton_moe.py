@@ -332,7 +332,9 @@ def test_fused_grouped_form_matches_the_torch_form(N, E, K, seed, shared, n_fast
     s = torch.randn(N, D, generator=g).bfloat16() if shared else None
     with ops.use("triton"):
         torch_form = ops.moe_experts_grouped(x, idx, w, gate_up, down, s)
-        with config(moe_grouped.CONFIG, enabled=True, BM=16, BN=16, BK=16, n_fastest=n_fastest):
+        with config(moe_grouped.CONFIG, enabled=True, n_fastest=n_fastest,
+                    gate_up=dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2),
+                    down=dict(BM=32, BN=16, BK=16, num_warps=4, num_stages=2)):
             fused = ops.moe_experts_grouped(x, idx, w, gate_up, down, s)
     loop = ops.moe_experts_torch(x, idx, w, gate_up, down) + (0 if s is None else s.float())
     assert fused.dtype == torch.bfloat16 and torch.isfinite(fused).all()

@@ -29,7 +29,10 @@ import model.triton as mt
 from model.triton.act import _silu_f32
 from model.triton.kda_chunk import _rounded
 
-CONFIG = dict(enabled=False, BM=64, BN=128, BK=64, num_warps=4, num_stages=3, n_fastest=True)
+# Launch config: on or off in the model, the program order (`_program_tile`), and each kernel's tiles and warps (each
+# kernel lays out its own row tiles, `expert_tiles`, so the two may differ in BM).
+CONFIG = dict(enabled=False, n_fastest=True, gate_up=dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+              down=dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3))
 
 
 @triton.jit
@@ -144,11 +147,49 @@ def expert_tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, tor
     return torch.where(live, e, -1).to(torch.int32), torch.where(live, r0, 0).to(torch.int32)
 
 
+def _check_runnable(x: torch.Tensor) -> None:
+    mt.require_runnable(_gate_up_silu_kernel, x.device)
+
+
+def gate_up_silu(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, K: int,
+                 cfg: dict | None = None) -> torch.Tensor:
+    """h [M, I] = silu(W1[e] x_r) * W3[e] x_r for each sorted pair row r (token order[r] // K, expert e by offs),
+    rounded as the torch form rounds; tiles and warps from CONFIG["gate_up"] (`cfg` overrides CONFIG's keys)."""
+    c = mt.launch_config("moe_grouped.gate_up_silu", CONFIG, cfg)
+    k = c["gate_up"]
+    N, D = x.shape
+    M, I = order.numel(), gate_up.shape[1] // 2
+    _check_runnable(x)
+    tiles = expert_tiles(offs, M, k["BM"])
+    h = mt.empty(M, I, dtype=x.dtype, device=x.device)
+    _gate_up_silu_kernel[(tiles[0].numel() * triton.cdiv(I, k["BN"]),)](
+        x.contiguous(), order, gate_up.contiguous(), h, *tiles, offs, tiles[0].numel(), K=K, D=D, I=I,
+        BM=k["BM"], BN=k["BN"], BK=k["BK"], N_FASTEST=bool(c["n_fastest"]),
+        COMPILED=mt.compiled(_gate_up_silu_kernel), num_warps=k["num_warps"], num_stages=k["num_stages"])
+    return h
+
+
+def down(h: torch.Tensor, offs: torch.Tensor, down_w: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+    """out [M, D] = W2[e] h_r for each sorted row r (expert e by offs), rounded to h's dtype; tiles and warps from
+    CONFIG["down"]."""
+    c = mt.launch_config("moe_grouped.down", CONFIG, cfg)
+    k = c["down"]
+    M, I = h.shape
+    D = down_w.shape[1]
+    _check_runnable(h)
+    tiles = expert_tiles(offs, M, k["BM"])
+    out = mt.empty(M, D, dtype=h.dtype, device=h.device)
+    _down_kernel[(tiles[0].numel() * triton.cdiv(D, k["BN"]),)](
+        h, down_w.contiguous(), out, *tiles, offs, tiles[0].numel(), D=D, I=I, BM=k["BM"], BN=k["BN"], BK=k["BK"],
+        N_FASTEST=bool(c["n_fastest"]), COMPILED=mt.compiled(_down_kernel), num_warps=k["num_warps"],
+        num_stages=k["num_stages"])
+    return out
+
+
 def experts(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, down_w: torch.Tensor,
             K: int, cfg: dict | None = None) -> torch.Tensor:
     """out [M, D] = W2[e] (silu(W1[e] x_r) * W3[e] x_r) for each sorted pair row r (token order[r] // K, expert e
     by offs), in the sorted order, rounded as the torch form rounds. `cfg` overrides keys of CONFIG."""
-    c = mt.launch_config("moe_grouped.experts", CONFIG, cfg)
     N, D = x.shape
     E, I2, D2 = gate_up.shape
     M, I = order.numel(), I2 // 2
@@ -156,15 +197,4 @@ def experts(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: t
         raise ValueError(f"moe_grouped.experts: x {tuple(x.shape)}, order {tuple(order.shape)}, offs "
                          f"{tuple(offs.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down_w.shape)} do not "
                          f"fit K={K}")
-    mt.require_runnable(_gate_up_silu_kernel, x.device)
-    tiles = expert_tiles(offs, M, c["BM"])  # one layout for both GEMMs: the same rows, the same tiles
-    n_tiles = tiles[0].numel()
-    launch = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], N_FASTEST=bool(c["n_fastest"]),
-                  COMPILED=mt.compiled(_gate_up_silu_kernel), num_warps=c["num_warps"], num_stages=c["num_stages"])
-    h = mt.empty(M, I, dtype=x.dtype, device=x.device)
-    _gate_up_silu_kernel[(n_tiles * triton.cdiv(I, c["BN"]),)](
-        x.contiguous(), order, gate_up.contiguous(), h, *tiles, offs, n_tiles, K=K, D=D, I=I, **launch)
-    out = mt.empty(M, D, dtype=x.dtype, device=x.device)
-    _down_kernel[(n_tiles * triton.cdiv(D, c["BN"]),)](
-        h, down_w.contiguous(), out, *tiles, offs, n_tiles, D=D, I=I, **launch)
-    return out
+    return down(gate_up_silu(x, order, offs, gate_up, K, cfg), offs, down_w, cfg)
