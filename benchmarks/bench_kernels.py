@@ -743,7 +743,7 @@ def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     res = {"ours_ms": gpu_ms(fused, rep_ms), "peer_ms": gpu_ms(lambda: torch_down(torch_gate_up()), rep_ms),
            "peer_gate_up_ms": gpu_ms(torch_gate_up, rep_ms), "peer_down_ms": gpu_ms(torch_down, rep_ms),
            "rel_err_vs_peer": rel_err(fused(), ref), "peer": f"torch-{torch.__version__} grouped_mm",
-           "router": router_desc("48b-a3b"), "cfg": {k: v for k, v in mg.CONFIG.items() if k != "enabled"},
+           "router": router_desc("48b-a3b"), "cfg": {k: v for k, v in mg.CONFIG.items() if k != "use"},
            "sweep": []}
     cases = ([("gate_up", {"gate_up": k}) for k in MOE_GATE_UP_SWEEP] + [("down", {"down": k}) for k in MOE_DOWN_SWEEP]
              + [("gate_up", {"n_fastest": False}), ("down", {"n_fastest": False})])

@@ -267,18 +267,21 @@ def moe_experts(x, idx, w, gate_up, down, shared=None):
 
 def moe_experts_grouped(x, idx, w, gate_up, down, shared_out=None):
     """Grouped-GEMM form: the (token, expert) pairs sorted by expert, one grouped GEMM per projection for all
-    experts (prefill), then `moe_combine`; returns x's dtype."""
+    experts (prefill), then `moe_combine`; returns x's dtype. Each projection is torch's grouped GEMM or, in bf16 on
+    Triton, the Triton kernel `model.triton.moe_grouped.CONFIG["use"]` names for it (the same bits: see there)."""
     N, K = idx.shape
     E, I = gate_up.shape[0], down.shape[2]
     order, offs = sort_by_expert(idx, E)
+    use = ()
     if _triton(x) and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16:
         from .triton import moe_grouped
-        if moe_grouped.CONFIG["enabled"]:  # under evaluation, off by default: see model/triton/moe_grouped.py
-            out = moe_grouped.experts(x, order, offs, gate_up, down, K)
-            return moe_combine(out, pair_rows(order).view(N, K), w, shared_out, x.dtype)
-    gu = grouped_mm(moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
-    h = silu_mul(gu[:, :I], gu[:, I:])
-    out = grouped_mm(h, down.transpose(1, 2), offs)
+        use = moe_grouped.CONFIG["use"]
+    if "gate_up" in use:
+        h = moe_grouped.gate_up_silu(x, order, offs, gate_up, K)
+    else:
+        gu = grouped_mm(moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
+        h = silu_mul(gu[:, :I], gu[:, I:])
+    out = moe_grouped.down(h, offs, down) if "down" in use else grouped_mm(h, down.transpose(1, 2), offs)
     return moe_combine(out, pair_rows(order).view(N, K), w, shared_out, x.dtype)
 
 

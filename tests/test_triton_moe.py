@@ -316,11 +316,11 @@ def test_expert_tiles_cover_every_row_once(counts, BM):
 
 
 @given(N=st.integers(1, 24), E=st.sampled_from([4, 9]), K=st.sampled_from([1, 2, 4]), seed=st.integers(0, 999),
-       shared=st.booleans(), n_fastest=st.booleans())
-def test_fused_grouped_form_matches_the_torch_form(N, E, K, seed, shared, n_fastest):
+       shared=st.booleans(), n_fastest=st.booleans(), use=st.sampled_from([("gate_up", "down"), ("down",), ("gate_up",)]))
+def test_fused_grouped_form_matches_the_torch_form(N, E, K, seed, shared, n_fastest, use):
     """The Triton grouped GEMMs with the dispatch and SwiGLU fused in (under evaluation, `moe_grouped.CONFIG`)
     against the torch grouped form and the reference loop, bf16, at widths that leave partial tiles in every
-    dimension, in either program order; outputs NaN-poisoned."""
+    dimension, in either program order, with either or both kernels in place of torch's; outputs NaN-poisoned."""
     from model.triton import moe_grouped
     g = torch.Generator().manual_seed(seed)
     D, I = 40, 24
@@ -332,15 +332,16 @@ def test_fused_grouped_form_matches_the_torch_form(N, E, K, seed, shared, n_fast
     s = torch.randn(N, D, generator=g).bfloat16() if shared else None
     with ops.use("triton"):
         torch_form = ops.moe_experts_grouped(x, idx, w, gate_up, down, s)
-        with config(moe_grouped.CONFIG, enabled=True, n_fastest=n_fastest,
+        with config(moe_grouped.CONFIG, use=use, n_fastest=n_fastest,
                     gate_up=dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2),
                     down=dict(BM=32, BN=16, BK=16, num_warps=4, num_stages=2)):
             fused = ops.moe_experts_grouped(x, idx, w, gate_up, down, s)
     loop = ops.moe_experts_torch(x, idx, w, gate_up, down) + (0 if s is None else s.float())
     assert fused.dtype == torch.bfloat16 and torch.isfinite(fused).all()
     # bf16 roundings at the same points, sums in another order (measured ~0.003 against the loop, ~0.008 against
-    # the torch form, whose interpreted silu_mul truncates where the GPU rounds)
-    assert rel_err(fused.float(), loop) < 1e-2
+    # the torch form, whose interpreted silu_mul truncates where the GPU rounds: with use=("down",) h is the torch
+    # form's, so then the loop is as far as the torch form, up to ~0.012)
+    assert rel_err(fused.float(), loop) < (1e-2 if "gate_up" in use else 2e-2)
     assert rel_err(fused.float(), torch_form.float()) < 2e-2
 
 

@@ -1,7 +1,8 @@
 """Grouped expert GEMMs of the prefill MoE in Triton, with the dispatch and the SwiGLU fused in: an alternative
 to `model.ops.moe_experts_grouped`'s torch form (dispatch copy, torch's grouped GEMM, `silu_mul`, grouped GEMM),
-the twin of `model.ops.moe_experts_torch` up to fp32 summation order (`experts`). NOT the model's path until measured:
-`CONFIG["enabled"]` is False, and `bench_kernels --ops moe_prefill` times it beside the torch form.
+the twin of `model.ops.moe_experts_torch` up to fp32 summation order (`experts`). `CONFIG["use"]` names the kernels
+the model runs in place of the torch form's (`model.ops.moe_experts_grouped`); `bench_kernels --ops moe_prefill`
+times each beside the part of the torch form it replaces.
 
 Why it might pay (the 8k prefill of the 48B model, decomposition 4af01266): torch's grouped GEMMs take 51.3 ms,
 about 470 TFLOP/s, and around them the dispatch copy (3.2 ms) and silu_mul (3.1 ms) move 0.7 GB a layer. Here
@@ -29,10 +30,11 @@ import model.triton as mt
 from model.triton.act import _silu_f32
 from model.triton.kda_chunk import _rounded
 
-# Launch config: on or off in the model, the program order (`_program_tile`), and each kernel's tiles and warps (each
-# kernel lays out its own row tiles, `expert_tiles`, so the two may differ in BM).
-CONFIG = dict(enabled=False, n_fastest=True, gate_up=dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
-              down=dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3))
+# Launch config: the kernels the model uses ("gate_up", "down"; the others stay torch's), the program order
+# (`_program_tile`), and each kernel's tiles and warps (each kernel lays out its own row tiles, `expert_tiles`, so
+# the two may differ in BM).
+CONFIG = dict(use=(), n_fastest=True, gate_up=dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3),
+              down=dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4))
 
 
 @triton.jit
