@@ -353,6 +353,17 @@ def peer_measured(res: dict | None, reason: str | None, tokens: int, peer: str) 
     return out
 
 
+def spot_result(ours, theirs, peer: str, eps: float) -> dict:
+    """The spot check's record entry: tokens agreeing position by position (`agree` of `total`) and, where they
+    part, the diagnosis of the first divergence (`gates.compare.compare_prompt`, ours as the reference)."""
+    from gates.compare import compare_prompt
+    r = compare_prompt(0, ours, theirs, eps, "ours", peer)
+    out = {"agree": r.k, "total": r.n, "prompt_len": len(ours.prompt), "verdict": r.verdict}
+    if r.divergence is not None:
+        out.update(first_divergence=r.first_divergence, explanation=r.divergence.explain())
+    return out
+
+
 def groups(s: Settings) -> list[tuple[str, int]]:
     """(phase, context) in the order they run: cheapest first. At the recompute context, recompute goes before
     ours' decode, so a report that keys records by (phase, context) alone shows the graph decoder's, the later."""
@@ -423,15 +434,18 @@ class Bench:
     @torch.no_grad()
     def spot_check(self) -> None:
         """First greedy tokens of ours (incremental, the measured decoder) vs each peer on a short prompt:
-        provenance for the speed numbers, not a gate. Also warms up HF's generate and kernels."""
-        from model.generate import generate_incremental
+        provenance for the speed numbers, not a gate. Also warms up HF's generate and kernels. A disagreement is
+        diagnosed as the gates diagnose one (`gates.compare`): the first divergent step, both tokens, both margins,
+        near-tie (rounding deciding between two almost equal logits, at the model dtype's epsilon) or real."""
+        from gates.compare import near_tie_eps
+        from model.generate import Generation, generate_incremental
         from model.hf import hf_greedy
 
         s = self.s
         prompt = self.prompt(s.spot_prompt)[0].tolist()
         cache = self.model.new_cache(1, len(prompt) + s.spot_tokens)
         res, why = attempt(lambda: generate_incremental(self.model, prompt, s.spot_tokens, cache=cache,
-                                                        decode=self.make_decoder(cache)).tokens, s.device)
+                                                        decode=self.make_decoder(cache)), s.device)
         del cache
         for p in s.peers:
             if p in self.unavailable:
@@ -440,12 +454,11 @@ class Bench:
                 self.spot[p] = {"error": f"ours: {why}"}
                 continue
             with hf_kernels(p):
-                theirs, pwhy = attempt(lambda: hf_greedy(self.hf, prompt, s.spot_tokens, topk=1)[0], s.device)
+                theirs, pwhy = attempt(lambda: hf_greedy(self.hf, prompt, s.spot_tokens), s.device)
             if theirs is None:
                 self.spot[p] = {"error": f"{p}: {pwhy}"}
             else:
-                agree = sum(a == b for a, b in zip(res, theirs))
-                self.spot[p] = {"agree": agree, "total": s.spot_tokens, "prompt_len": len(prompt)}
+                self.spot[p] = spot_result(res, Generation(prompt, *theirs), p, near_tie_eps(self.dtype))
             log(f"spot check vs {p}: {self.spot[p]}")
 
     # -- one configuration ------------------------------------------------------------------------------

@@ -264,14 +264,26 @@ def speed_section(bench: list[dict], out: Path) -> Section:
         s.blocks.append(Figure(save(fig, out, f"speed_{phase}"), f"{phase} speed vs context", cite(used)))
         s.blocks.append(Table(
             ["context", "config", "ours tok/s", "roofline fraction", "host us / eager launch", "record",
-             "peers (tok/s; decode by median step; record)"],
+             "peers (tok/s; decode by median step; record; first greedy tokens agreeing with ours)"],
             [[str(get(r, "params.context")), series_label(r), fmt(get(r, "results.tok_s")),
               fmt(get(r, "results.roofline_fraction"), ".1%"), fmt(get(r, "results.host_launch_us"), ".2f"),
               short_id(r),
-              ", ".join(f"{get(p, 'results.peer')} {fmt(peer_rate(p))} ({short_id(p)})"
+              ", ".join(f"{get(p, 'results.peer')} {fmt(peer_rate(p))} ({short_id(p)}{spot_text(p)})"
                         for (cfg, _), p in sorted(peers.items(), key=lambda kv: str(kv[0])) if cfg == key) or "—"]
              for key, r in sorted(ours.items(), key=lambda kv: config_order(kv[0]))], cite(used)))
     return s
+
+
+def spot_text(r: dict) -> str:
+    """A peer record's spot check (its first greedy tokens against ours, `bench_e2e.spot_result`) for a table cell:
+    how many agree and, where they part, the verdict at the first divergence; empty without a spot check."""
+    sc = get(r, "results.spot_check")
+    if not isinstance(sc, dict) or "agree" not in sc:
+        return ""
+    text = f"; {sc['agree']}/{sc['total']}"
+    if sc.get("verdict") not in (None, "match"):
+        text += f", {sc['verdict']} at step {sc.get('first_divergence')}"
+    return text
 
 
 def history_section(bench: list[dict], out: Path) -> Section:

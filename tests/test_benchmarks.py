@@ -131,11 +131,36 @@ def test_bench_quick_end_to_end(records_dir):
             assert q["peer_tok_s"] > 0 and q["speedup_vs_peer"] == pytest.approx(q["tok_s"] / q["peer_tok_s"])
             # fp32 on the same weights: HF's first greedy tokens are ours
             assert q["spot_check"]["agree"] == q["spot_check"]["total"] == 4
+            assert q["spot_check"]["verdict"] == "match" and "explanation" not in q["spot_check"]
     decode = by_cfg[("decode", 48, "ours-eager", "hf")]
     assert len(decode["results"]["samples_ms"]) == decode["params"]["decode_tokens"] == 4
     assert len(decode["results"]["peer_samples_ms"]) == decode["params"]["peer_decode_tokens"] == 3
     assert any("CUDA graphs need a CUDA device" in x for x in decode["reasons"])
     assert len(by_cfg[("decode", 16, "recompute", None)]["results"]["samples_ms"]) == 2
+
+def _gen(tokens, tops):
+    """A Generation with per-step top-5 (ids, log-probabilities)."""
+    from model.generate import Generation
+    return Generation([1, 2, 3], list(tokens), [t[0] for t in tops], [t[1] for t in tops])
+
+
+def test_spot_result_explains_a_divergence():
+    """The spot check's entry: agreement counted, and where ours and the peer part, the first divergence diagnosed
+    as the gates do. Two almost equal logits read near-tie; a peer that chose a token ours ranks far down reads
+    real (the negative control)."""
+    ids, lp = [5, 6, 7, 8, 9], [-0.5, -0.55, -3.0, -4.0, -5.0]
+    agree = (ids, lp)
+    ours = _gen([5, 5, 5], [agree, agree, agree])
+    assert bench_e2e.spot_result(ours, _gen([5, 5, 5], [agree] * 3), "hf", 0.125) == \
+        {"agree": 3, "total": 3, "prompt_len": 3, "verdict": "match"}
+    tie = _gen([5, 6, 9], [agree, ([6, 5, 7, 8, 9], [-0.5, -0.56, -3.0, -4.0, -5.0]), agree])
+    r = bench_e2e.spot_result(ours, tie, "hf-fla", 0.125)
+    assert (r["agree"], r["first_divergence"], r["verdict"]) == (1, 1, "near-tie")
+    assert "ours chose 5" in r["explanation"] and "hf-fla chose 6" in r["explanation"]
+    real = _gen([5, 9, 9], [agree, ([9, 5, 6, 7, 8], [-0.1, -3.0, -3.1, -4.0, -5.0]), agree])
+    r = bench_e2e.spot_result(ours, real, "hf-fla", 0.125)
+    assert (r["agree"], r["first_divergence"], r["verdict"]) == (1, 1, "real")
+
 
 
 def _small(**kw):

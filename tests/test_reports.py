@@ -131,6 +131,29 @@ def test_speed_table_shows_the_host_probe_where_a_record_has_it(tmp_path):
     assert all(row[col] == "—" for row in rows if row not in mine)
 
 
+def test_speed_table_shows_the_peers_spot_check(tmp_path):
+    """Each peer's cell carries its spot check: the first greedy tokens agreeing with ours, and where they part the
+    verdict at the first divergence (a near-tie reads differently from a real disagreement)."""
+    records = tmp_path / "records"
+    records.mkdir()
+    shutil.copy(RECORDS / "bench.jsonl", records)
+    peers = [r for r in load(root=records).records if r["kind"] == "bench" and r["verdict"] == "VALID"
+             and (r["results"] or {}).get("peer_tok_s")]
+    rec = copy.deepcopy(max(peers, key=lambda r: r["time"]))
+    rec["results"]["spot_check"] = {"agree": 3, "total": 8, "prompt_len": 32, "verdict": "near-tie",
+                                    "first_divergence": 3, "explanation": "..."}
+    rec = make_record("bench", preset=rec["preset"], dtype=rec["dtype"], device=rec["device"],
+                      weights=rec["weights"], params=rec["params"], results=rec["results"], verdict="VALID",
+                      reasons=[])
+    append(rec, root=records)
+    speed = next(s for s in render.render(records, tmp_path / "out") if s.title == "Speed against context length")
+    cells = [c for b in speed.blocks if isinstance(b, render.Table) for row in b.rows for c in row
+             if f"({short(rec)}" in c]
+    assert len(cells) == 1 and f"({short(rec)}; 3/8, near-tie at step 3)" in cells[0]
+    assert render.spot_text({"results": {"spot_check": {"agree": 8, "total": 8, "verdict": "match"}}}) == "; 8/8"
+    assert render.spot_text({"results": {"spot_check": {"error": "ours: OOM"}}}) == ""
+
+
 def test_torn_line_is_shown_at_the_top(report):
     _, sections, page, summary = report
     assert sections[0].title == "Unreadable record lines"
