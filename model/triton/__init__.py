@@ -12,7 +12,7 @@
 - `moe_dispatch.moe_dispatch`, `moe_combine.moe_combine`: the grouped-GEMM MoE's dispatch (token rows in expert
   order) and combine, the twins of `model.ops.moe_dispatch_torch` and `model.ops.moe_combine_torch`.
 - `act.silu_mul`: SwiGLU's silu(gate) * up in one pass, the twin of `F.silu(g) * u`.
-- `moe_grouped.experts`: the prefill MoE's grouped expert GEMMs with the dispatch and SwiGLU fused in, held against `model.ops.moe_experts_torch`; under evaluation, off by default (`CONFIG`).
+- `moe_grouped.gate_up_silu`, `moe_grouped.down`: the prefill MoE's grouped expert GEMMs (gate_up with the dispatch and SwiGLU fused in), held against `model.ops.moe_experts_torch` and torch's grouped GEMM; the model uses those `CONFIG["use"]` names, none by default.
 
 Triton chooses compiled (CUDA) or interpreted (CPU) kernels when a kernel module is first imported,
 from TRITON_INTERPRET (read by triton): set it to 1 before that import to run them on the CPU.
