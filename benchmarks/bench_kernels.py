@@ -24,9 +24,9 @@ FLA_FLASH_KDA=0 is set before that import so fla runs its Triton KDA kernels. H=
 - prefill plumbing, batch 1, T tokens, the 48B's shapes, against the torch forms they replace (peer `torch`):
   `causal_conv1d` (3*H*D channels, 4 taps, from carried taps: ours must match torch's bits, rel_err 0) and
   `moe_combine` (T tokens x top-8 expert rows of 2304 plus the shared expert's, vs the index_add-into-fp32
-  combine the grouped MoE used before); `moe_prefill` (not in the default --ops: the fused Triton grouped
-  GEMMs of model/triton/moe_grouped.py, under evaluation, against the torch form the model runs, with a sweep
-  of tile configs in `results.sweep`).
+  combine the grouped MoE used before); `moe_prefill` (not in the default --ops: the Triton grouped GEMMs of
+  model/triton/moe_grouped.py, both together against the torch form at the model router's spread of rows, and
+  in `results.sweep` each kernel's tile configs timed alone against the part of the torch form it replaces).
 Times are medians of `triton.testing.do_bench` (L2 flushed before each call, CUDA events: GPU time), the same
 method for ours and the peer; decode shapes also record back-to-back eager times (host launch cost included).
 For kernels of a few tens of microseconds do_bench is a poor guide to the time inside the model's decode graph
