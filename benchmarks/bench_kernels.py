@@ -471,8 +471,8 @@ def balanced_counts(n: int, E: int) -> torch.Tensor:
 
 
 def first_router(preset: str, device: str):
-    """The first MoE layer's router of `preset` with the synthetic weights (seed 0) the benchmarks' model has: the
-    spread of rows over the experts that the model's prefill MoE sees (`router_desc`)."""
+    """(router, description): the first MoE layer's router of `preset` with the synthetic weights (seed 0) the
+    benchmarks' model has, which gives the spread of rows over the experts that the model's prefill MoE sees."""
     from model.config import get_config
     from model.layers import Router
     from model.weights import synthetic_tensor
@@ -484,14 +484,7 @@ def first_router(preset: str, device: str):
         router.weight.copy_(synthetic_tensor(cfg, name + "weight", device=device))
         router.e_score_correction_bias.copy_(synthetic_tensor(cfg, name + "e_score_correction_bias", device=device))
     router.pack_()
-    return router
-
-
-def router_desc(preset: str) -> str:
-    from model.config import get_config
-    cfg = get_config(preset)
-    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
-    return f"model.layers.{layer} of {preset}, synthetic seed 0, inputs N(0, 1)"
+    return router, f"model.layers.{layer} of {preset}, synthetic seed 0, inputs N(0, 1)"
 
 
 def moe_rows_case(T: int, rep_ms: int, device: str = "cuda", preset: str = "48b-a3b") -> dict:
@@ -506,15 +499,16 @@ def moe_rows_case(T: int, rep_ms: int, device: str = "cuda", preset: str = "48b-
     from model.config import get_config
     cfg = get_config(preset)
     E, Dm, I, K = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_token
+    router, desc = first_router(preset, device)
     params = {"op": "moe_prefill_rows", "B": 1, "T": T, "H": E, "d": Dm, "dtype": "bfloat16", "I": I, "K": K,
-              "router": router_desc(preset),
+              "router": desc,
               "ours_scope": "grouped gate_up + silu_mul + grouped down at the router's rows per expert",
               "peer_scope": "the same GEMMs with the same number of rows balanced across the experts"}
     results, reasons = {"peer": "balanced rows", "timing": "do_bench"}, []
     try:
         g = torch.Generator(device=device).manual_seed(T)
         x = torch.randn(T, Dm, generator=g, device=device).to(DTYPE)
-        idx = first_router(preset, device)(x)[0]
+        idx = router(x)[0]
         counts = torch.bincount(idx.flatten().cpu(), minlength=E)
         cases = {"ours": counts, "peer": balanced_counts(T * K, E)}
         rows = torch.randn(T * K, Dm, generator=g, device=device).to(DTYPE)
@@ -723,8 +717,8 @@ def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     x = torch.randn(T, Dm, generator=gen, device="cuda").to(DTYPE)
     gate_up = (torch.randn(E, 2 * I, Dm, generator=gen, device="cuda") / Dm ** 0.5).to(DTYPE)
     down = (torch.randn(E, Dm, I, generator=gen, device="cuda") / I ** 0.5).to(DTYPE)
-    idx = first_router("48b-a3b", "cuda")(x)[0]
-    order, offs = ops.sort_by_expert(idx, E)
+    router, desc = first_router("48b-a3b", "cuda")
+    order, offs = ops.sort_by_expert(router(x)[0], E)
 
     def torch_gate_up():
         gu = ops.grouped_mm(ops.moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
@@ -739,11 +733,11 @@ def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
         return mg.experts(x, order, offs, gate_up, down, K, cfg)
 
     flops = 2 * T * K * 3 * Dm * I
-    ref, ref_down = torch_down(torch_gate_up()), torch_down()
+    ref = torch_down()  # the torch form's output: its down over its own h
     res = {"ours_ms": gpu_ms(fused, rep_ms), "peer_ms": gpu_ms(lambda: torch_down(torch_gate_up()), rep_ms),
            "peer_gate_up_ms": gpu_ms(torch_gate_up, rep_ms), "peer_down_ms": gpu_ms(torch_down, rep_ms),
            "rel_err_vs_peer": rel_err(fused(), ref), "peer": f"torch-{torch.__version__} grouped_mm",
-           "router": router_desc("48b-a3b"), "cfg": {k: v for k, v in mg.CONFIG.items() if k != "use"},
+           "router": desc, "cfg": {k: v for k, v in mg.CONFIG.items() if k != "use"},
            "sweep": []}
     cases = ([("gate_up", {"gate_up": k}) for k in MOE_GATE_UP_SWEEP] + [("down", {"down": k}) for k in MOE_DOWN_SWEEP]
              + [("gate_up", {"n_fastest": False}), ("down", {"n_fastest": False})])
@@ -751,7 +745,7 @@ def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
         if kernel == "gate_up":
             run, want = (lambda cfg=cfg: mg.gate_up_silu(x, order, offs, gate_up, K, cfg)), h
         else:
-            run, want = (lambda cfg=cfg: mg.down(h, offs, down, cfg)), ref_down
+            run, want = (lambda cfg=cfg: mg.down(h, offs, down, cfg)), ref
         try:
             err = rel_err(run(), want)
             res["sweep"].append({"kernel": kernel, "cfg": cfg, "ms": gpu_ms(run, rep_ms), "rel_err_vs_peer": err})
