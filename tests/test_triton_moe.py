@@ -345,6 +345,33 @@ def test_fused_grouped_form_matches_the_torch_form(N, E, K, seed, shared, n_fast
     assert rel_err(fused.float(), torch_form.float()) < 2e-2
 
 
+@pytest.mark.parametrize("use", [("gate_up",), ("down",)])
+def test_control_grouped_kernels_on_the_wrong_experts_are_caught(use, monkeypatch):
+    """The fused-form test's checks see a kernel that multiplies a row tile by its neighbour expert's weights (each
+    tile's expert shifted by one, and with it the tile's live rows): non-finite rows (left unwritten) or far past
+    its tolerance."""
+    from model.triton import moe_grouped
+    g = torch.Generator().manual_seed(1)
+    N, E, K, D, I = 20, 4, 2, 40, 24
+    x = torch.randn(N, D, generator=g).bfloat16()
+    gate_up = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).bfloat16()
+    down = (torch.randn(E, D, I, generator=g) / I ** 0.5).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    w = torch.rand(N, K, generator=g)
+    real = moe_grouped.expert_tiles
+
+    def shifted(offs, M, BM):
+        e, r0 = real(offs, M, BM)
+        return torch.where(e >= 0, (e + 1) % E, e), r0
+    monkeypatch.setattr(moe_grouped, "expert_tiles", shifted)
+    with ops.use("triton"), config(moe_grouped.CONFIG, use=use,
+                                   gate_up=dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2),
+                                   down=dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2)):
+        wrong = ops.moe_experts_grouped(x, idx, w, gate_up, down)
+    loop = ops.moe_experts_torch(x, idx, w, gate_up, down)
+    assert not (torch.isfinite(wrong).all() and rel_err(wrong.float(), loop) < 2e-2)
+
+
 def test_grouped_mm_per_group_form_equals_torchs():
     """The per-group fallback of `ops.grouped_mm` (bf16 stacks under fp32 rows) against torch's grouped GEMM on the
     widened stacks, with empty groups at the ends and in the middle."""
