@@ -694,14 +694,21 @@ def combine_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
 
 
 # moe_prefill: each fused kernel's tile configs, timed alone against the part of the torch form it replaces
-# (results.sweep); the default tiles also in 5c8ff18's program order (row tiles fastest), whose best tiles took
-# 2.863 ms for both kernels (76616f44)
-MOE_GATE_UP_SWEEP = [dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st) for bm, bn, bk, w, st in (
-    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 128, 32, 8, 5), (128, 128, 128, 8, 2),
-    (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 256, 32, 8, 4))]
-MOE_DOWN_SWEEP = [dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st) for bm, bn, bk, w, st in (
-    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
-    (64, 256, 64, 4, 3), (128, 64, 64, 4, 4))]
+# (results.sweep). The per-thread loads at the default tiles and one other (4ecfe96's sweep picked the defaults:
+# records 43a003bc, ce817ad6, 9a20b3e9; 5c8ff18's program order, row tiles fastest, lost: 98de6aaf), then the
+# tiles through TMA descriptors at tiles that fit their stages in shared memory, and persistent programs.
+_TILES = ("BM", "BN", "BK", "num_warps", "num_stages")
+MOE_GATE_UP_SWEEP = ([dict(zip(_TILES, t)) for t in ((64, 256, 64, 8, 3), (128, 128, 64, 8, 4))]
+                     + [dict(zip(_TILES, t), tma=True) for t in (
+                         (64, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4))]
+                     + [dict(zip(_TILES, t), tma=tma, persistent=True) for t, tma in (
+                         ((64, 256, 64, 8, 3), False), ((64, 256, 64, 8, 3), True), ((128, 128, 64, 8, 4), True))])
+MOE_DOWN_SWEEP = ([dict(zip(_TILES, t)) for t in ((128, 256, 64, 8, 4), (128, 128, 64, 8, 4))]
+                  + [dict(zip(_TILES, t), tma=True) for t in (
+                      (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5),
+                      (256, 128, 64, 8, 3), (64, 256, 64, 4, 4))]
+                  + [dict(zip(_TILES, t), tma=tma, persistent=True) for t, tma in (
+                      ((128, 256, 64, 8, 4), False), ((128, 256, 64, 8, 4), True), ((128, 128, 64, 8, 4), True))])
 
 
 def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
@@ -739,8 +746,7 @@ def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
            "rel_err_vs_peer": rel_err(fused(), ref), "peer": f"torch-{torch.__version__} grouped_mm",
            "router": desc, "cfg": {k: v for k, v in mg.CONFIG.items() if k != "use"},
            "sweep": []}
-    cases = ([("gate_up", {"gate_up": k}) for k in MOE_GATE_UP_SWEEP] + [("down", {"down": k}) for k in MOE_DOWN_SWEEP]
-             + [("gate_up", {"n_fastest": False}), ("down", {"n_fastest": False})])
+    cases = [("gate_up", {"gate_up": k}) for k in MOE_GATE_UP_SWEEP] + [("down", {"down": k}) for k in MOE_DOWN_SWEEP]
     for kernel, cfg in cases:
         if kernel == "gate_up":
             run, want = (lambda cfg=cfg: mg.gate_up_silu(x, order, offs, gate_up, K, cfg)), h

@@ -615,3 +615,66 @@ def test_kernel_bench_cli_rejects_bad_lists(capsys):
         with pytest.raises(SystemExit) as e:
             bk.main(["--decode-B", bad])
         assert e.value.code == 2 and "--decode-B" in capsys.readouterr().err
+
+
+# ---- bench_ab: model-level A/B of launch configs ---------------------------------------------------
+
+def test_ab_variant_parsing_rejects_what_it_cannot_apply():
+    from benchmarks import bench_ab
+    assert bench_ab.parse_variant('x=moe_grouped:{"use": ["down"]}') == ("x", "moe_grouped", {"use": ["down"]})
+    for bad in ("x", "x=moe_grouped", "=moe_grouped:{}", 'x=moe_grouped:{"use"', "x=moe_grouped:[1]",
+                "x=moe_grouped:{}"):
+        with pytest.raises(Exception):
+            bench_ab.parse_variant(bad)
+    with pytest.raises(SystemExit):  # an unknown key fails before any model is built
+        bench_ab.main(["--preset", "tiny", "--device", "cpu", "--variant", 'x=moe_grouped:{"tiles": 1}'])
+    with pytest.raises(SystemExit):
+        bench_ab.main(["--preset", "tiny", "--device", "cpu", "--variant", 'defaults=moe_grouped:{"use": []}'])
+
+
+def test_ab_applied_changes_only_the_named_keys_and_restores_them():
+    from benchmarks import bench_ab
+    from model.triton import moe_grouped
+    before = {k: (dict(v) if isinstance(v, dict) else v) for k, v in moe_grouped.CONFIG.items()}
+    with bench_ab.applied("moe_grouped", {"use": ["gate_up", "down"], "down": {"tma": True}}):
+        c = moe_grouped.CONFIG
+        assert c["use"] == ("gate_up", "down") and c["down"]["tma"] is True
+        assert {k: v for k, v in c["down"].items() if k != "tma"} == {k: v for k, v in before["down"].items()
+                                                                       if k != "tma"}
+    assert moe_grouped.CONFIG == before
+    with pytest.raises(KeyError, match="no keys"):
+        with bench_ab.applied("moe_grouped", {"down": {"BQ": 1}}):
+            pass
+    assert moe_grouped.CONFIG == before
+
+
+def test_ab_quick_end_to_end(records_dir):
+    """On the tiny preset on the CPU: a record per variant and length, both arms timed in every round, the logits
+    compared (the CPU path takes none of these kernels, so the bits are the defaults')."""
+    from benchmarks import bench_ab
+    recs = bench_ab.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prefill", "9,17",
+                          "--rounds", "2", "--variant", 'a=moe_grouped:{"use": ["down"]}',
+                          "--variant", 'b=moe_grouped:{"down": {"tma": true}}'])
+    assert [(r["params"]["variant"], r["params"]["T"]) for r in recs] == [("a", 9), ("b", 9), ("a", 17), ("b", 17)]
+    for r in recs:
+        res = r["results"]
+        assert r["verdict"] == "VALID" and r["kind"] == "kernel" and r["params"]["op"] == "prefill_ab"
+        assert len(res["samples_ms"]) == len(res["peer_samples_ms"]) == 2 and res["same_bits"]
+        assert res["paired_ratio_min"] <= res["paired_ratio_median"] <= res["paired_ratio_max"]
+    assert len(load("kernel", root=records_dir).records) == 4
+
+
+def test_ab_logits_that_moved_make_the_record_invalid(records_dir):
+    """The negative control: a variant whose logits moved by order 1, or went non-finite, is INVALID."""
+    from benchmarks import bench_ab
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1, 64, generator=g)
+    out = {"defaults": {"samples": [10.0, 11.0], "logits": ref},
+           "close": {"samples": [9.0, 10.0], "logits": ref + 1e-4 * torch.randn(1, 64, generator=g)},
+           "moved": {"samples": [9.0, 10.0], "logits": ref.flip(-1)},
+           "nan": {"samples": [9.0, 10.0], "logits": torch.full_like(ref, float("nan"))}}
+    variants = [(n, "moe_grouped", {"use": ["down"]}) for n in ("close", "moved", "nan")]
+    recs = bench_ab.ab_records({"preset": "tiny", "model_dtype": "float32", "weights": "w"}, 64, variants, out, "cpu")
+    assert [r["verdict"] for r in recs] == ["VALID", "INVALID", "INVALID"]
+    assert "differ" in recs[1]["reasons"][0] and "finite" in recs[2]["reasons"][0]
+    assert recs[0]["results"]["paired_ratio_median"] == pytest.approx((0.9 + 10.0 / 11.0) / 2)

@@ -724,17 +724,34 @@ def sm90_spills() -> dict:
                                       num_warps=moe_dispatch.DISPATCH["num_warps"])
     from model.triton import moe_grouped as mg
     gc = mg.CONFIG
+
     def tiles(k):
-        return dict(BM=gc[k]["BM"], BN=gc[k]["BN"], BK=gc[k]["BK"], N_FASTEST=gc["n_fastest"], COMPILED=True)
-    out["moe_grouped_gate_up"] = stack_bytes(
-        mg._gate_up_silu_kernel, {"x": bf, "order": "*i64", "w": bf, "h": bf, **dict.fromkeys(
-            ["tile_e", "tile_r0", "offs"], "*i32"), "n_tiles": "i32"}, dict(K=K, D=2304, I=1024, **tiles("gate_up")),
-        num_warps=gc["gate_up"]["num_warps"], num_stages=gc["gate_up"]["num_stages"])
-    out["moe_grouped_down"] = stack_bytes(
-        mg._down_kernel, {"h": bf, "w": bf, "out": bf, **dict.fromkeys(["tile_e", "tile_r0", "offs"], "*i32"),
-                          "n_tiles": "i32"},
-        dict(D=2304, I=1024, **tiles("down")), num_warps=gc["down"]["num_warps"],
-        num_stages=gc["down"]["num_stages"])
+        return dict(BM=gc[k]["BM"], BN=gc[k]["BN"], BK=gc[k]["BK"], N_FASTEST=gc["n_fastest"], TMA=gc[k]["tma"],
+                    PERSISTENT=gc[k]["persistent"], COMPILED=True)
+
+    def desc(k, rows):
+        """A TMA descriptor argument of kernel k's tiles (`rows` x BK), or None (a constexpr) without TMA."""
+        return ({"sig": f"tensordesc<bf16[{gc[k][rows]},{gc[k]['BK']}]>"} if gc[k]["tma"] else {"const": None})
+
+    def with_descs(sig, consts, descs):
+        for name, d in descs.items():
+            if "sig" in d:
+                sig[name] = d["sig"]
+            else:
+                consts[name] = d["const"]
+        return sig, consts
+
+    sig, consts = with_descs({"x": bf, "order": "*i64", "w": bf, "h": bf, **dict.fromkeys(
+        ["tile_e", "tile_r0", "offs"], "*i32"), "n_tiles": "i32"}, dict(K=K, D=2304, I=1024, **tiles("gate_up")),
+        {"w_desc": desc("gate_up", "BN")})
+    out["moe_grouped_gate_up"] = stack_bytes(mg._gate_up_silu_kernel, sig, consts,
+                                             num_warps=gc["gate_up"]["num_warps"],
+                                             num_stages=gc["gate_up"]["num_stages"])
+    sig, consts = with_descs({"h": bf, "w": bf, "out": bf, **dict.fromkeys(["tile_e", "tile_r0", "offs"], "*i32"),
+                              "n_tiles": "i32"}, dict(D=2304, I=1024, **tiles("down")),
+                             {"h_desc": desc("down", "BM"), "w_desc": desc("down", "BN")})
+    out["moe_grouped_down"] = stack_bytes(mg._down_kernel, sig, consts, num_warps=gc["down"]["num_warps"],
+                                          num_stages=gc["down"]["num_stages"])
     from model.triton import act
     out["silu_mul"] = stack_bytes(act._silu_mul_kernel, {**dict.fromkeys("guh", bf), "N": "i32", "I": "i32",
                                                          "stride_g": "i32", "stride_u": "i32"},

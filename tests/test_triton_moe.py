@@ -316,11 +316,13 @@ def test_expert_tiles_cover_every_row_once(counts, BM):
 
 
 @given(N=st.integers(1, 24), E=st.sampled_from([4, 9]), K=st.sampled_from([1, 2, 4]), seed=st.integers(0, 999),
-       shared=st.booleans(), n_fastest=st.booleans(), use=st.sampled_from([("gate_up", "down"), ("down",), ("gate_up",)]))
-def test_fused_grouped_form_matches_the_torch_form(N, E, K, seed, shared, n_fastest, use):
+       shared=st.booleans(), n_fastest=st.booleans(), use=st.sampled_from([("gate_up", "down"), ("down",), ("gate_up",)]),
+       tma=st.booleans(), persistent=st.booleans())
+def test_fused_grouped_form_matches_the_torch_form(N, E, K, seed, shared, n_fastest, use, tma, persistent):
     """The Triton grouped GEMMs with the dispatch and SwiGLU fused in (under evaluation, `moe_grouped.CONFIG`)
     against the torch grouped form and the reference loop, bf16, at widths that leave partial tiles in every
-    dimension, in either program order, with either or both kernels in place of torch's; outputs NaN-poisoned."""
+    dimension, in either program order, with either or both kernels in place of torch's, their tiles loaded by
+    TMA descriptors or per thread, a program a tile or persistent programs; outputs NaN-poisoned."""
     from model.triton import moe_grouped
     g = torch.Generator().manual_seed(seed)
     D, I = 40, 24
@@ -333,8 +335,8 @@ def test_fused_grouped_form_matches_the_torch_form(N, E, K, seed, shared, n_fast
     with ops.use("triton"):
         torch_form = ops.moe_experts_grouped(x, idx, w, gate_up, down, s)
         with config(moe_grouped.CONFIG, use=use, n_fastest=n_fastest,
-                    gate_up=dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2),
-                    down=dict(BM=32, BN=16, BK=16, num_warps=4, num_stages=2)):
+                    gate_up=dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2, tma=tma, persistent=persistent),
+                    down=dict(BM=32, BN=16, BK=16, num_warps=4, num_stages=2, tma=tma, persistent=persistent)):
             fused = ops.moe_experts_grouped(x, idx, w, gate_up, down, s)
     loop = ops.moe_experts_torch(x, idx, w, gate_up, down) + (0 if s is None else s.float())
     assert fused.dtype == torch.bfloat16 and torch.isfinite(fused).all()
@@ -346,10 +348,11 @@ def test_fused_grouped_form_matches_the_torch_form(N, E, K, seed, shared, n_fast
 
 
 @pytest.mark.parametrize("use", [("gate_up",), ("down",)])
-def test_control_grouped_kernels_on_the_wrong_experts_are_caught(use, monkeypatch):
+@pytest.mark.parametrize("tma", [False, True])
+def test_control_grouped_kernels_on_the_wrong_experts_are_caught(use, tma, monkeypatch):
     """The fused-form test's checks see a kernel that multiplies a row tile by its neighbour expert's weights (each
     tile's expert shifted by one, and with it the tile's live rows): non-finite rows (left unwritten) or far past
-    its tolerance."""
+    its tolerance, with the tiles loaded either way."""
     from model.triton import moe_grouped
     g = torch.Generator().manual_seed(1)
     N, E, K, D, I = 20, 4, 2, 40, 24
@@ -364,9 +367,8 @@ def test_control_grouped_kernels_on_the_wrong_experts_are_caught(use, monkeypatc
         e, r0 = real(offs, M, BM)
         return torch.where(e >= 0, (e + 1) % E, e), r0
     monkeypatch.setattr(moe_grouped, "expert_tiles", shifted)
-    with ops.use("triton"), config(moe_grouped.CONFIG, use=use,
-                                   gate_up=dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2),
-                                   down=dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2)):
+    tiles = dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2, tma=tma, persistent=False)
+    with ops.use("triton"), config(moe_grouped.CONFIG, use=use, gate_up=tiles, down=tiles):
         wrong = ops.moe_experts_grouped(x, idx, w, gate_up, down)
     loop = ops.moe_experts_torch(x, idx, w, gate_up, down)
     assert not (torch.isfinite(wrong).all() and rel_err(wrong.float(), loop) < 2e-2)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import model.triton as mt
 from model.triton.act import _silu_f32
@@ -35,9 +36,12 @@ from model.triton.kda_chunk import _rounded
 
 # Launch config: the kernels the model uses ("gate_up", "down"; the others stay torch's), the program order
 # (`_program_tile`), and each kernel's tiles and warps (each kernel lays out its own row tiles, `expert_tiles`, so
-# the two may differ in BM).
-CONFIG = dict(use=(), n_fastest=True, gate_up=dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3),
-              down=dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4))
+# the two may differ in BM); per kernel, `tma`: the weight tiles (and down's row tiles of h, which are contiguous)
+# through the tensor-copy engine rather than per-thread loads, and `persistent`: one program an SM, each looping
+# over tiles, rather than one program a tile.
+CONFIG = dict(use=(), n_fastest=True,
+              gate_up=dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3, tma=False, persistent=False),
+              down=dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, tma=False, persistent=False))
 
 
 @triton.jit
@@ -58,15 +62,14 @@ def _dot(a, b, acc, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _program_tile(n_tiles, NB: tl.constexpr, N_FASTEST: tl.constexpr):
-    """(row tile, column block) of this program in the 1-d grid of n_tiles x NB. N_FASTEST: a row tile's column
+def _program_tile(p, n_tiles, NB: tl.constexpr, N_FASTEST: tl.constexpr):
+    """(row tile, column block) of tile p in the 1-d grid of n_tiles x NB. N_FASTEST: a row tile's column
     blocks are consecutive programs, so they run together and read its rows of x (or h) once from DRAM, and the
     few row tiles of one expert run within a wave of each other and share its weight tiles through L2. Else row
     tiles vary fastest: every column block rereads all the rows (the order of 5c8ff18's candidate)."""
-    pid = tl.program_id(0)
     if N_FASTEST:
-        return pid // NB, pid % NB
-    return pid % n_tiles, pid // n_tiles
+        return p // NB, p % NB
+    return p % n_tiles, p // n_tiles
 
 
 @triton.jit
@@ -78,61 +81,120 @@ def _row_tile(tile_e, tile_r0, offs, t, BM: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_silu_kernel(x, order, w, h, tile_e, tile_r0, offs, n_tiles, K: tl.constexpr, D: tl.constexpr,
-                         I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         N_FASTEST: tl.constexpr, COMPILED: tl.constexpr):
-    """Grid (n_tiles * cdiv(I, BN),) (`_program_tile`). x [N, D]; order [M] sorted pairs (flat n*K + k);
-    w [E, 2I, D] (gate rows, then up rows); h [M, I]; tile_e / tile_r0 [n_tiles] int32 (expert, first row;
-    expert -1 past the last tile); offs [E] int32 row ends."""
-    t, nb = _program_tile(n_tiles, tl.cdiv(I, BN), N_FASTEST)
+def _gate_up_silu_tile(p, x, order, w, w_desc, h, tile_e, tile_r0, offs, n_tiles, K: tl.constexpr, D: tl.constexpr,
+                       I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_FASTEST: tl.constexpr,
+                       TMA: tl.constexpr, COMPILED: tl.constexpr):
+    """Tile p of the grid of n_tiles x cdiv(I, BN) (`_program_tile`); nothing for a tile past the last.
+    TMA: the weight tiles through the tensor-copy engine (`w_desc`, w as [E * 2I, D] rows); a tile's rows past I
+    (the up rows, or the next expert's) land in columns the store masks off."""
+    t, nb = _program_tile(p, n_tiles, tl.cdiv(I, BN), N_FASTEST)
     e, r, live = _row_tile(tile_e, tile_r0, offs, t, BM)
-    if e < 0:  # past the last tile
-        return
-    tok = (tl.load(order + r, mask=live, other=0) // K).to(tl.int64)
-    n = nb * BN + tl.arange(0, BN)
-    m_n = n < I
-    kk = tl.arange(0, BK)
-    a_p = x + tok[:, None] * D + kk[None, :]
-    g_p = w + e.to(tl.int64) * (2 * I * D) + n[None, :] * D + kk[:, None]   # [BK, BN]: gate rows, transposed
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        m_k = k0 + kk < D
-        a = tl.load(a_p + k0, mask=live[:, None] & m_k[None, :], other=0.)
-        b_g = tl.load(g_p + k0, mask=m_k[:, None] & m_n[None, :], other=0.)
-        b_u = tl.load(g_p + I * D + k0, mask=m_k[:, None] & m_n[None, :], other=0.)
-        acc_g = _dot(a, b_g, acc_g, COMPILED)
-        acc_u = _dot(a, b_u, acc_u, COMPILED)
-    dt = h.dtype.element_ty
-    g = _to(acc_g, dt, COMPILED).to(tl.float32)
-    s = _to(_silu_f32(g, COMPILED), dt, COMPILED).to(tl.float32)
-    out = _to(s * _to(acc_u, dt, COMPILED).to(tl.float32), dt, COMPILED)
-    tl.store(h + r.to(tl.int64)[:, None] * I + n[None, :], out, mask=live[:, None] & m_n[None, :])
+    if e >= 0:
+        tok = (tl.load(order + r, mask=live, other=0) // K).to(tl.int64)
+        n = nb * BN + tl.arange(0, BN)
+        m_n = n < I
+        kk = tl.arange(0, BK)
+        a_p = x + tok[:, None] * D + kk[None, :]
+        g_p = w + e.to(tl.int64) * (2 * I * D) + n[None, :] * D + kk[:, None]   # [BK, BN]: gate rows, transposed
+        g_row = e * (2 * I) + nb * BN
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            m_k = k0 + kk < D
+            a = tl.load(a_p + k0, mask=live[:, None] & m_k[None, :], other=0.)
+            if TMA:
+                b_g = w_desc.load([g_row, k0]).T
+                b_u = w_desc.load([g_row + I, k0]).T
+            else:
+                b_g = tl.load(g_p + k0, mask=m_k[:, None] & m_n[None, :], other=0.)
+                b_u = tl.load(g_p + I * D + k0, mask=m_k[:, None] & m_n[None, :], other=0.)
+            acc_g = _dot(a, b_g, acc_g, COMPILED)
+            acc_u = _dot(a, b_u, acc_u, COMPILED)
+        dt = h.dtype.element_ty
+        g = _to(acc_g, dt, COMPILED).to(tl.float32)
+        s = _to(_silu_f32(g, COMPILED), dt, COMPILED).to(tl.float32)
+        out = _to(s * _to(acc_u, dt, COMPILED).to(tl.float32), dt, COMPILED)
+        tl.store(h + r.to(tl.int64)[:, None] * I + n[None, :], out, mask=live[:, None] & m_n[None, :])
 
 
 @triton.jit
-def _down_kernel(h, w, out, tile_e, tile_r0, offs, n_tiles, D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, N_FASTEST: tl.constexpr, COMPILED: tl.constexpr):
-    """Grid (n_tiles * cdiv(D, BN),) (`_program_tile`). h [M, I] (sorted rows); w [E, D, I]; out [M, D] (sorted
-    rows)."""
-    t, nb = _program_tile(n_tiles, tl.cdiv(D, BN), N_FASTEST)
+def _gate_up_silu_kernel(x, order, w, w_desc, h, tile_e, tile_r0, offs, n_tiles, K: tl.constexpr,
+                         D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         N_FASTEST: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+                         COMPILED: tl.constexpr):
+    """x [N, D]; order [M] sorted pairs (flat n*K + k); w [E, 2I, D] (gate rows, then up rows); h [M, I];
+    tile_e / tile_r0 [n_tiles] int32 (expert, first row; expert -1 past the last tile); offs [E] int32 row ends.
+    Grid: one program a tile of n_tiles x cdiv(I, BN), or PERSISTENT: fewer programs, each taking every
+    num_programs-th tile."""
+    n_all = n_tiles * tl.cdiv(I, BN)
+    if PERSISTENT:
+        if COMPILED:
+            for p in range(tl.program_id(0), n_all, tl.num_programs(0)):
+                _gate_up_silu_tile(p, x, order, w, w_desc, h, tile_e, tile_r0, offs, n_tiles, K, D, I, BM, BN, BK,
+                                   N_FASTEST, TMA, COMPILED)
+        else:  # the interpreter takes no run-time loop bounds (a 1-element array is no index under NumPy 2)
+            p = tl.program_id(0)
+            while p < n_all:
+                _gate_up_silu_tile(p, x, order, w, w_desc, h, tile_e, tile_r0, offs, n_tiles, K, D, I, BM, BN, BK,
+                                   N_FASTEST, TMA, COMPILED)
+                p += tl.num_programs(0)
+    else:
+        _gate_up_silu_tile(tl.program_id(0), x, order, w, w_desc, h, tile_e, tile_r0, offs, n_tiles, K, D, I, BM,
+                           BN, BK, N_FASTEST, TMA, COMPILED)
+
+
+@triton.jit
+def _down_tile(p, h, h_desc, w, w_desc, out, tile_e, tile_r0, offs, n_tiles, D: tl.constexpr, I: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_FASTEST: tl.constexpr, TMA: tl.constexpr,
+               COMPILED: tl.constexpr):
+    """Tile p of the grid of n_tiles x cdiv(D, BN); nothing for a tile past the last. TMA: the row tiles of h
+    (`h_desc`, [M, I]) and the weight tiles (`w_desc`, w as [E * D, I]) through the tensor-copy engine; rows past
+    the expert's (the next expert's, or zeros past M) land in rows the store masks off."""
+    t, nb = _program_tile(p, n_tiles, tl.cdiv(D, BN), N_FASTEST)
     e, r, live = _row_tile(tile_e, tile_r0, offs, t, BM)
-    if e < 0:  # past the last tile
-        return
-    r64 = r.to(tl.int64)
-    n = nb * BN + tl.arange(0, BN)
-    m_n = n < D
-    kk = tl.arange(0, BK)
-    a_p = h + r64[:, None] * I + kk[None, :]
-    b_p = w + e.to(tl.int64) * (D * I) + n[None, :] * I + kk[:, None]       # [BK, BN]: rows of w[e], transposed
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        m_k = k0 + kk < I
-        a = tl.load(a_p + k0, mask=live[:, None] & m_k[None, :], other=0.)
-        b = tl.load(b_p + k0, mask=m_k[:, None] & m_n[None, :], other=0.)
-        acc = _dot(a, b, acc, COMPILED)
-    tl.store(out + r64[:, None] * D + n[None, :], _to(acc, out.dtype.element_ty, COMPILED),
-             mask=live[:, None] & m_n[None, :])
+    if e >= 0:
+        r64 = r.to(tl.int64)
+        n = nb * BN + tl.arange(0, BN)
+        m_n = n < D
+        kk = tl.arange(0, BK)
+        a_p = h + r64[:, None] * I + kk[None, :]
+        b_p = w + e.to(tl.int64) * (D * I) + n[None, :] * I + kk[:, None]       # [BK, BN]: rows of w[e], transposed
+        r0 = tl.load(tile_r0 + t)
+        w_row = e * D + nb * BN
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            m_k = k0 + kk < I
+            if TMA:
+                a = h_desc.load([r0, k0])
+                b = w_desc.load([w_row, k0]).T
+            else:
+                a = tl.load(a_p + k0, mask=live[:, None] & m_k[None, :], other=0.)
+                b = tl.load(b_p + k0, mask=m_k[:, None] & m_n[None, :], other=0.)
+            acc = _dot(a, b, acc, COMPILED)
+        tl.store(out + r64[:, None] * D + n[None, :], _to(acc, out.dtype.element_ty, COMPILED),
+                 mask=live[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _down_kernel(h, h_desc, w, w_desc, out, tile_e, tile_r0, offs, n_tiles, D: tl.constexpr, I: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_FASTEST: tl.constexpr, TMA: tl.constexpr,
+                 PERSISTENT: tl.constexpr, COMPILED: tl.constexpr):
+    """h [M, I] (sorted rows); w [E, D, I]; out [M, D] (sorted rows). Grid as `_gate_up_silu_kernel`'s."""
+    n_all = n_tiles * tl.cdiv(D, BN)
+    if PERSISTENT:
+        if COMPILED:
+            for p in range(tl.program_id(0), n_all, tl.num_programs(0)):
+                _down_tile(p, h, h_desc, w, w_desc, out, tile_e, tile_r0, offs, n_tiles, D, I, BM, BN, BK, N_FASTEST,
+                           TMA, COMPILED)
+        else:  # the interpreter takes no run-time loop bounds (a 1-element array is no index under NumPy 2)
+            p = tl.program_id(0)
+            while p < n_all:
+                _down_tile(p, h, h_desc, w, w_desc, out, tile_e, tile_r0, offs, n_tiles, D, I, BM, BN, BK, N_FASTEST,
+                           TMA, COMPILED)
+                p += tl.num_programs(0)
+    else:
+        _down_tile(tl.program_id(0), h, h_desc, w, w_desc, out, tile_e, tile_r0, offs, n_tiles, D, I, BM, BN, BK,
+                   N_FASTEST, TMA, COMPILED)
 
 
 def expert_tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,38 +214,63 @@ def expert_tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, tor
     return torch.where(live, e, -1).to(torch.int32), torch.where(live, r0, 0).to(torch.int32)
 
 
+def _launch(kernel, n_all: int, k: dict, device: torch.device, *args, **meta) -> None:
+    """kernel over n_all tiles with k's launch config: a program a tile, or (k["persistent"]) one an SM."""
+    mt.require_runnable(kernel, device)
+    compiled = mt.compiled(kernel)
+    programs = n_all
+    if k["persistent"]:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if compiled else 4
+        programs = min(n_all, sms)
+    kernel[(programs,)](*args, **meta, TMA=bool(k["tma"]), PERSISTENT=bool(k["persistent"]), COMPILED=compiled,
+                        num_warps=k["num_warps"], num_stages=k["num_stages"])
+
+
+def _kernel_config(name: str, which: str, cfg: dict | None) -> tuple[dict, dict]:
+    """(the whole config, `which` kernel's launch config): CONFIG with cfg's overrides, a kernel's dict merged key
+    by key (a sweep may name only the keys it changes)."""
+    c = mt.launch_config(name, CONFIG, cfg)
+    k = {**CONFIG[which], **(cfg or {}).get(which, {})}
+    unknown = sorted(set(k) - set(CONFIG[which]))
+    if unknown:
+        raise ValueError(f"{name}: unknown {which} cfg keys {unknown}")
+    return c, k
+
+
 def gate_up_silu(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, K: int,
                  cfg: dict | None = None) -> torch.Tensor:
     """h [M, I] = silu(W1[e] x_r) * W3[e] x_r for each sorted pair row r (token order[r] // K, expert e by offs),
     rounded as the torch form rounds; tiles and warps from CONFIG["gate_up"] (`cfg` overrides CONFIG's keys)."""
-    c = mt.launch_config("moe_grouped.gate_up_silu", CONFIG, cfg)
-    k = c["gate_up"]
+    c, k = _kernel_config("moe_grouped.gate_up_silu", "gate_up", cfg)
     N, D = x.shape
     M, I = order.numel(), gate_up.shape[1] // 2
-    mt.require_runnable(_gate_up_silu_kernel, x.device)
+    E = gate_up.shape[0]
     tiles = expert_tiles(offs, M, k["BM"])
     h = mt.empty(M, I, dtype=x.dtype, device=x.device)
-    _gate_up_silu_kernel[(tiles[0].numel() * triton.cdiv(I, k["BN"]),)](
-        x.contiguous(), order, gate_up.contiguous(), h, *tiles, offs, tiles[0].numel(), K=K, D=D, I=I,
-        BM=k["BM"], BN=k["BN"], BK=k["BK"], N_FASTEST=bool(c["n_fastest"]),
-        COMPILED=mt.compiled(_gate_up_silu_kernel), num_warps=k["num_warps"], num_stages=k["num_stages"])
+    gate_up = gate_up.contiguous()
+    w_desc = TensorDescriptor.from_tensor(gate_up.view(E * 2 * I, D), [k["BN"], k["BK"]]) if k["tma"] else None
+    _launch(_gate_up_silu_kernel, tiles[0].numel() * triton.cdiv(I, k["BN"]), k, x.device,
+            x.contiguous(), order, gate_up, w_desc, h, *tiles, offs, tiles[0].numel(), K=K, D=D, I=I,
+            BM=k["BM"], BN=k["BN"], BK=k["BK"], N_FASTEST=bool(c["n_fastest"]))
     return h
 
 
 def down(h: torch.Tensor, offs: torch.Tensor, down_w: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
     """out [M, D] = W2[e] h_r for each sorted row r (expert e by offs), rounded to h's dtype; tiles and warps from
     CONFIG["down"]."""
-    c = mt.launch_config("moe_grouped.down", CONFIG, cfg)
-    k = c["down"]
+    c, k = _kernel_config("moe_grouped.down", "down", cfg)
     M, I = h.shape
-    D = down_w.shape[1]
-    mt.require_runnable(_down_kernel, h.device)
+    E, D = down_w.shape[:2]
     tiles = expert_tiles(offs, M, k["BM"])
     out = mt.empty(M, D, dtype=h.dtype, device=h.device)
-    _down_kernel[(tiles[0].numel() * triton.cdiv(D, k["BN"]),)](
-        h, down_w.contiguous(), out, *tiles, offs, tiles[0].numel(), D=D, I=I, BM=k["BM"], BN=k["BN"], BK=k["BK"],
-        N_FASTEST=bool(c["n_fastest"]), COMPILED=mt.compiled(_down_kernel), num_warps=k["num_warps"],
-        num_stages=k["num_stages"])
+    h, down_w = h.contiguous(), down_w.contiguous()
+    h_desc = w_desc = None
+    if k["tma"]:
+        h_desc = TensorDescriptor.from_tensor(h, [k["BM"], k["BK"]])
+        w_desc = TensorDescriptor.from_tensor(down_w.view(E * D, I), [k["BN"], k["BK"]])
+    _launch(_down_kernel, tiles[0].numel() * triton.cdiv(D, k["BN"]), k, h.device,
+            h, h_desc, down_w, w_desc, out, *tiles, offs, tiles[0].numel(), D=D, I=I, BM=k["BM"], BN=k["BN"],
+            BK=k["BK"], N_FASTEST=bool(c["n_fastest"]))
     return out
 
 

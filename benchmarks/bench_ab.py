@@ -1,0 +1,190 @@
+"""Model-level A/B of kernel launch configs: the whole prefill timed under the defaults and under each variant,
+in interleaved rounds of one process, so that a kernel that wins alone (`bench_kernels`) is also judged where
+the model runs it.
+
+    python -m benchmarks.bench_ab --variant 'down=moe_grouped:{"use": ["down"]}' \
+        --variant 'both_tma=moe_grouped:{"use": ["gate_up", "down"], "down": {"tma": true}}' [--prefill 8192,32768]
+        [--rounds 8] [--preset 48b-a3b] [--device cuda]
+
+A variant is NAME=MODULE:JSON: keys of `model.triton.MODULE.CONFIG` to change (a dict value changes only the
+keys it names; lists become tuples). Each round runs the defaults and every variant once, in an order rotated
+from round to round, each call a whole `model.prefill` of the same random prompt into a fresh cache, timed by
+CUDA events from an idle device to its end (`benchmarks.timing.time_calls`); one untimed call of each first
+(kernel compilation). One `kernel` record per variant and length: `results.ours_ms` the variant's median,
+`results.peer_ms` the defaults' median in the same rounds (`results.peer` = "defaults"), the per-round ratios
+variant/defaults (`results.paired_ratio_median`: rounds pair calls that ran seconds apart, so a drift of the
+machine cancels), and the variant's last-position logits against the defaults' (relative RMS error, the same
+argmax, the same bits). A variant whose logits are non-finite or differ past `LOGITS_TOL` is INVALID.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import statistics
+
+import torch
+
+from benchmarks.cli import ints
+from benchmarks.timing import log, summarize, time_calls
+
+# Launch configs change summation orders at most (the grouped MoE kernels keep torch's bits exactly); a wrong
+# tile or expert moves bf16 logits by order 1.
+LOGITS_TOL = 2e-2
+
+
+def parse_variant(text: str) -> tuple[str, str, dict]:
+    """'NAME=MODULE:JSON' -> (name, module, changes); a clear error for anything else."""
+    name, sep, rest = text.partition("=")
+    module, sep2, body = rest.partition(":")
+    if not (sep and sep2 and name and module):
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=MODULE:JSON")
+    try:
+        changes = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: {e}") from None
+    if not isinstance(changes, dict) or not changes:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: JSON must be a non-empty object")
+    return name, module, changes
+
+
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+@contextlib.contextmanager
+def applied(module: str, changes: dict):
+    """`model.triton.<module>.CONFIG` with `changes` inside the block; an unknown module or key is an error."""
+    cfg = importlib.import_module(f"model.triton.{module}").CONFIG
+    saved = {k: cfg[k] for k in cfg}
+    for k, v in changes.items():
+        if k not in cfg:
+            raise KeyError(f"model.triton.{module}.CONFIG has no key {k!r}; it has {sorted(cfg)}")
+        if isinstance(cfg[k], dict):
+            unknown = sorted(set(v) - set(cfg[k]))
+            if unknown:
+                raise KeyError(f"model.triton.{module}.CONFIG[{k!r}] has no keys {unknown}")
+            v = {**cfg[k], **{kk: _tuples(vv) for kk, vv in v.items()}}
+        cfg[k] = _tuples(v)
+    try:
+        yield
+    finally:
+        cfg.clear()
+        cfg.update(saved)
+
+
+def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict:
+    """The variant's logits against the defaults': relative RMS error, same argmax, same bits, all finite."""
+    o, r = ours.double(), ref.double()
+    return {"rel_err_vs_peer": float((o - r).norm() / r.norm().clamp_min(1e-300)),
+            "same_argmax": bool(torch.equal(ours.argmax(-1), ref.argmax(-1))),
+            "same_bits": bool(torch.equal(ours, ref)), "finite": bool(torch.isfinite(ours).all())}
+
+
+def judge(cmp: dict) -> list[str]:
+    reasons = []
+    if not cmp["finite"]:
+        reasons.append("the variant's logits are not all finite")
+    if not cmp["rel_err_vs_peer"] <= LOGITS_TOL:
+        reasons.append(f"the variant's logits differ from the defaults': relative RMS error "
+                       f"{cmp['rel_err_vs_peer']:.3g} > {LOGITS_TOL}")
+    return reasons
+
+
+@torch.no_grad()
+def ab_case(model, T: int, variants: list[tuple[str, str, dict]], rounds: int, device: str, seed: int = 0) -> dict:
+    """{name: {"samples": [...], "logits": last-position logits}} for "defaults" and every variant."""
+    gen = torch.Generator().manual_seed(seed + T)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, T), generator=gen).to(device)
+    arms = [("defaults", None, {})] + variants
+    held, out = {}, {name: {"samples": []} for name, _, _ in arms}
+
+    def fresh_cache():
+        held.clear()  # the previous cache goes before the next is allocated
+        held["cache"] = model.new_cache(1, T)
+
+    def call(arm):
+        name, module, changes = arm
+        with (applied(module, changes) if module else contextlib.nullcontext()):
+            s = time_calls(lambda: held.__setitem__("logits", model.prefill(ids, held["cache"])), 1, device,
+                           setup=fresh_cache)
+        out[name]["logits"] = held["logits"].float().cpu()
+        return s.samples_ms[0]
+
+    for arm in arms:  # untimed: compilation
+        call(arm)
+    for r in range(rounds):
+        k = r % len(arms)
+        for arm in arms[k:] + arms[:k]:
+            out[arm[0]]["samples"].append(call(arm))
+        log(f"  T={T} round {r + 1}/{rounds}: " + ", ".join(f"{n} {v['samples'][-1]:.1f} ms" for n, v in out.items()))
+    held.clear()
+    return out
+
+
+def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) -> list[dict]:
+    from records.store import append, make_record
+    base = out["defaults"]
+    recs = []
+    for name, module, changes in variants:
+        v = out[name]
+        cmp = compare_logits(v["logits"], base["logits"])
+        ratios = [a / b for a, b in zip(v["samples"], base["samples"])]
+        results = {"ours_ms": summarize(v["samples"])["median_ms"], "peer": "defaults",
+                   "peer_ms": summarize(base["samples"])["median_ms"], "samples_ms": v["samples"],
+                   "peer_samples_ms": base["samples"], "paired_ratio_median": statistics.median(ratios),
+                   "paired_ratio_min": min(ratios), "paired_ratio_max": max(ratios),
+                   "timing": "CUDA events, a whole prefill from an idle device, fresh cache; rounds interleaved",
+                   **cmp}
+        results["speedup"] = results["peer_ms"] / results["ours_ms"]
+        params = {"op": "prefill_ab", "variant": name, "T": T, "B": 1, "module": module, "changes": changes,
+                  "rounds": len(v["samples"]), **model_desc}
+        rec = make_record("kernel", preset=model_desc["preset"], dtype=model_desc["model_dtype"], device=device_name,
+                          weights=model_desc["weights"], params=params, results=results,
+                          verdict="INVALID" if judge(cmp) else "VALID", reasons=judge(cmp))
+        append(rec)
+        recs.append(rec)
+        log(f"  T={T} {name}: {results['ours_ms']:.2f} ms against the defaults' {results['peer_ms']:.2f} ms "
+            f"(paired ratio {results['paired_ratio_median']:.4f}, {results['paired_ratio_min']:.4f} to "
+            f"{results['paired_ratio_max']:.4f}); logits rel_err {cmp['rel_err_vs_peer']:.2e}, same bits "
+            f"{cmp['same_bits']}: {rec['verdict']}")
+    return recs
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_ab", description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", type=parse_variant, action="append", required=True, help="NAME=MODULE:JSON")
+    ap.add_argument("--prefill", type=ints, default=[8192], help="prompt lengths")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--preset", default="48b-a3b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    names = [v[0] for v in args.variant]
+    if len(set(names)) != len(names) or "defaults" in names:
+        ap.error(f"variant names must be distinct and not 'defaults': {names}")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    for _, module, changes in args.variant:  # a typo fails here, before the model is built
+        try:
+            with applied(module, changes):
+                pass
+        except (KeyError, ImportError) as e:
+            ap.error(str(e))
+    from model.build import load_model
+    loaded = load_model(args.preset, device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed)
+    log(f"weights {loaded.source} {loaded.weights} on {args.device}")
+    desc = {"preset": args.preset, "model_dtype": args.dtype, "weights": loaded.weights}
+    dev = torch.device(args.device)
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else args.device
+    recs = []
+    for T in args.prefill:
+        out = ab_case(loaded.model, T, args.variant, args.rounds, args.device, args.seed)
+        recs += ab_records(desc, T, args.variant, out, device_name)
+    return recs
+
+
+if __name__ == "__main__":
+    main()
