@@ -5,7 +5,8 @@
 
 `--phase prefill` traces `--steps` prefills of a random `--context`-token prompt, each from a fresh cache (its
 allocation included, as a new request would pay it), eager; the record's `step_ms` is then ms per prefill and
-`params.phase` says `prefill`. The rest of this text is about the default, `--phase decode`.
+`params.phase` says `prefill`. `--variant NAME=MODULE:JSON` traces with a launch config changed
+(`benchmarks.bench_ab`), recorded as `params.variant`, to see where a variant's time goes inside the model. The rest of this text is about the default, `--phase decode`.
 
 A random prompt of `--context` tokens is prefilled, then each mode decodes greedily: `eager` is
 `model.decode_step` launched op by op from Python, `graph` the CUDA-graph decoder (`model.fast.GraphDecoder`).
@@ -27,6 +28,7 @@ the graph record, the production path, is the latest.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import gzip
 import json
@@ -40,6 +42,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from benchmarks import bench_ab
 from benchmarks.categories import categorize, decompose
 from benchmarks.timing import log, summarize, sync, time_steps
 
@@ -238,6 +241,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--trace-dir", default=str(REPO_ROOT / "reports" / "traces"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variant", type=bench_ab.parse_variant,
+                    help="NAME=MODULE:JSON: trace with model.triton.MODULE.CONFIG changed (see benchmarks.bench_ab)")
     a = ap.parse_args(argv)
     quick = dict(preset="tiny", device="cpu", dtype="float32", steps=4, context=16)
     full = dict(preset="48b-a3b", device="cuda", dtype="bfloat16", steps=32, context=1024)
@@ -255,6 +260,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error("no CUDA device here: use --quick for the CPU smoke run")
     device_type = torch.device(a.device).type
 
+    variant = contextlib.nullcontext()
+    if a.variant:
+        try:
+            variant = bench_ab.applied(*a.variant[1:])
+            with bench_ab.applied(*a.variant[1:]):
+                pass
+        except (KeyError, ImportError) as e:
+            ap.error(str(e))
     notes = []
     if a.phase == "prefill":
         modes = ["eager"]  # a prefill is launched op by op; --modes is about decode
@@ -277,9 +290,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         log(f"{a.phase} {mode}: warm-up, {a.steps} timed steps, {a.steps} profiled steps")
         params = {"phase": a.phase, "mode": mode, "steps": a.steps, "context": a.context, "batch": 1,
                   "device": device_type, "run": run_id}
+        if a.variant:
+            params["variant"] = dict(zip(("name", "module", "changes"), a.variant))
         try:
-            out = run_prefill(model, ids, a.steps, a.device) if a.phase == "prefill" else \
-                run_mode(model, mode, ids, a.steps, a.prefill_chunk, a.device)
+            with variant:
+                out = run_prefill(model, ids, a.steps, a.device) if a.phase == "prefill" else \
+                    run_mode(model, mode, ids, a.steps, a.prefill_chunk, a.device)
         except Exception as e:  # e.g. a graph capture failing: keep the other mode's record, say what broke
             traceback.print_exc()
             out, results = None, {}

@@ -456,6 +456,11 @@ def natural(text: str) -> list:
     return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text)]
 
 
+# bench_ab's parameters that the label leaves to the record: what a variant changed (the config column shows it),
+# its rounds, and the model it ran in (the record's own preset and weights say that too)
+AB_CONDITIONS = ("module", "changes", "rounds", "preset", "model_dtype", "weights")
+
+
 def kernel_label(r: dict) -> str:
     """`op` (bench_kernels' name; `kernel` alone in older records, the part of it in MoE records) and the shape
     parameters. Left to the record itself: the prose `*_scope` parameters, a dtype repeated from the record, and
@@ -464,7 +469,7 @@ def kernel_label(r: dict) -> str:
     op, part = params.get("op"), params.get("kernel")
     name = f"{op} {part}" if op and part else (op or part or "?")
     rest = " ".join(f"{k}={v}" for k, v in sorted(params.items())
-                    if k not in ("op", "kernel", "dtype", "cfg") and not k.endswith("_scope"))
+                    if k not in ("op", "kernel", "dtype", "cfg") + AB_CONDITIONS and not k.endswith("_scope"))
     return f"{name} {rest} {r['dtype'] or params.get('dtype', '')}".strip()
 
 
@@ -553,6 +558,8 @@ def config_cell(r: dict) -> str:
     """The launch config a record ran (params.cfg), where it says: the label leaves it out so that a kernel keeps
     one row when its default changes."""
     cfg = get(r, "params.cfg")
+    if get(r, "params.changes") is not None:  # a bench_ab variant: the config keys it changed
+        return f"{get(r, 'params.module')}: {json.dumps(get(r, 'params.changes'))}"
     return "—" if not cfg else " ".join(f"{k}={v}" for k, v in cfg.items())
 
 
@@ -610,7 +617,8 @@ def build(loaded, out: Path) -> list[Section]:
         speed_section(of("bench"), out),
         history_section(of("bench"), out),
         gates_section(of("gate_a", "gate_b"), out),
-        decomposition_section([r for r in of("decomposition") if get(r, "params.phase", "decode") == "decode"], out),
+        decomposition_section([r for r in of("decomposition") if get(r, "params.phase", "decode") == "decode"
+                               and not get(r, "params.variant")], out),
         kernels_section(of("kernel"), out),
         memory_section(of("memory"), out),
     ]

@@ -270,6 +270,29 @@ def test_decompose_prefill_quick(records_dir, tmp_path):
     assert q["kernels_per_step"] > 27
 
 
+def test_decompose_traces_under_a_variant_and_records_it(records_dir, tmp_path):
+    """`--variant` holds the config changed while the model runs (and only then), and the record names it; a key
+    the module lacks is refused before anything runs."""
+    from model.triton import moe_grouped
+    seen = []
+    real = decompose.run_prefill
+
+    def spy(*a, **k):
+        seen.append(moe_grouped.CONFIG["down"]["tma"])
+        return real(*a, **k)
+    decompose.run_prefill = spy
+    try:
+        decompose.main(["--quick", "--phase", "prefill", "--trace-dir", str(tmp_path / "traces"),
+                        "--variant", 'v=moe_grouped:{"down": {"tma": true}}'])
+    finally:
+        decompose.run_prefill = real
+    assert seen == [True] and moe_grouped.CONFIG["down"]["tma"] is False
+    r = load(kinds="decomposition", root=records_dir).records[-1]
+    assert r["params"]["variant"] == {"name": "v", "module": "moe_grouped", "changes": {"down": {"tma": True}}}
+    with pytest.raises(SystemExit):
+        decompose.main(["--quick", "--phase", "prefill", "--variant", 'v=moe_grouped:{"nokey": 1}'])
+
+
 def test_self_time_ops_split_each_operator_around_its_children():
     ev = [dict(name="aten::linear", ts=0, dur=10, pid=1, tid=1), dict(name="aten::mm", ts=1, dur=8, pid=1, tid=1),
           dict(name="aten::resolve_conj", ts=2, dur=1, pid=1, tid=1), dict(name="aten::add", ts=12, dur=2, pid=1, tid=1),
