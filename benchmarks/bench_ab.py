@@ -14,7 +14,9 @@ CUDA events from an idle device to its end (`benchmarks.timing.time_calls`); one
 `results.peer_ms` the defaults' median in the same rounds (`results.peer` = "defaults"), the per-round ratios
 variant/defaults (`results.paired_ratio_median`: rounds pair calls that ran seconds apart, so a drift of the
 machine cancels), and the variant's last-position logits against the defaults' (relative RMS error, the same
-argmax, the same bits). A variant whose logits are non-finite or differ past `LOGITS_TOL` is INVALID.
+argmax, the same bits). Each timed call also samples the GPU's clocks through NVML (`benchmarks.gpu_clocks`;
+`results.clocks_ours` / `clocks_peer`: mean SM clock, board power, the share of samples under the power cap),
+since a faster kernel can lose its gain to a lower clock in a power-capped prefill. A variant whose logits are non-finite or differ past `LOGITS_TOL` is INVALID.
 """
 from __future__ import annotations
 
@@ -27,11 +29,15 @@ import statistics
 import torch
 
 from benchmarks.cli import ints
+from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.timing import log, summarize, time_calls
 
 # Launch configs change summation orders at most (the grouped MoE kernels keep torch's bits exactly); a wrong
 # tile or expert moves bf16 logits by order 1.
 LOGITS_TOL = 2e-2
+# NVML sampling period during each timed call (`benchmarks.gpu_clocks`): a few hundred samples over a 140 ms
+# prefill; the thread takes the GIL briefly at each, alike in every arm
+CLOCK_INTERVAL_S = 0.005
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
@@ -82,6 +88,16 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict:
             "same_bits": bool(torch.equal(ours, ref)), "finite": bool(torch.isfinite(ours).all())}
 
 
+def mean_clocks(per_call: list[dict]) -> dict:
+    """The calls' clock summaries (`gpu_clocks.summarize_clocks`) averaged call by call; extremes over all."""
+    out = {k: sum(c[k] for c in per_call) / len(per_call) for k in per_call[0]
+           if k.endswith(("_mean", "_share"))}
+    out.update(samples=sum(c["samples"] for c in per_call), sm_mhz_min=min(c["sm_mhz_min"] for c in per_call),
+               power_w_max=max(c["power_w_max"] for c in per_call),
+               **{k: per_call[0][k] for k in ("sm_mhz_max", "power_limit_w") if k in per_call[0]})
+    return out
+
+
 def judge(cmp: dict) -> list[str]:
     reasons = []
     if not cmp["finite"]:
@@ -104,20 +120,26 @@ def ab_case(model, T: int, variants: list[tuple[str, str, dict]], rounds: int, d
         held.clear()  # the previous cache goes before the next is allocated
         held["cache"] = model.new_cache(1, T)
 
+    index = torch.device(device).index or 0
+
     def call(arm):
         name, module, changes = arm
         with (applied(module, changes) if module else contextlib.nullcontext()):
-            s = time_calls(lambda: held.__setitem__("logits", model.prefill(ids, held["cache"])), 1, device,
-                           setup=fresh_cache)
+            fresh_cache()
+            with ClockSampler(index, CLOCK_INTERVAL_S) as clocks:
+                s = time_calls(lambda: held.__setitem__("logits", model.prefill(ids, held["cache"])), 1, device)
         out[name]["logits"] = held["logits"].float().cpu()
-        return s.samples_ms[0]
+        return s.samples_ms[0], clocks.summary()
 
     for arm in arms:  # untimed: compilation
         call(arm)
     for r in range(rounds):
         k = r % len(arms)
         for arm in arms[k:] + arms[:k]:
-            out[arm[0]]["samples"].append(call(arm))
+            ms, clocks = call(arm)
+            out[arm[0]]["samples"].append(ms)
+            if clocks:
+                out[arm[0]].setdefault("clocks", []).append(clocks)
         log(f"  T={T} round {r + 1}/{rounds}: " + ", ".join(f"{n} {v['samples'][-1]:.1f} ms" for n, v in out.items()))
     held.clear()
     return out
@@ -138,6 +160,9 @@ def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) 
                    "timing": "CUDA events, a whole prefill from an idle device, fresh cache; rounds interleaved",
                    **cmp}
         results["speedup"] = results["peer_ms"] / results["ours_ms"]
+        for side, arm in (("ours", v), ("peer", base)):
+            if arm.get("clocks"):
+                results[f"clocks_{side}"] = mean_clocks(arm["clocks"])
         params = {"op": "prefill_ab", "variant": name, "T": T, "B": 1, "module": module, "changes": changes,
                   "rounds": len(v["samples"]), **model_desc}
         rec = make_record("kernel", preset=model_desc["preset"], dtype=model_desc["model_dtype"], device=device_name,
@@ -148,7 +173,10 @@ def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) 
         log(f"  T={T} {name}: {results['ours_ms']:.2f} ms against the defaults' {results['peer_ms']:.2f} ms "
             f"(paired ratio {results['paired_ratio_median']:.4f}, {results['paired_ratio_min']:.4f} to "
             f"{results['paired_ratio_max']:.4f}); logits rel_err {cmp['rel_err_vs_peer']:.2e}, same bits "
-            f"{cmp['same_bits']}: {rec['verdict']}")
+            f"{cmp['same_bits']}: {rec['verdict']}" + "".join(
+                f"; {side} SM {c['sm_mhz_mean']:.0f} MHz, {c['power_w_mean']:.0f} W, power cap in "
+                f"{c['power_cap_share']:.0%} of samples" for side in ("ours", "peer")
+                if (c := results.get(f"clocks_{side}"))))
     return recs
 
 

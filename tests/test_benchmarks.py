@@ -692,7 +692,10 @@ def test_ab_logits_that_moved_make_the_record_invalid(records_dir):
     from benchmarks import bench_ab
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(1, 64, generator=g)
-    out = {"defaults": {"samples": [10.0, 11.0], "logits": ref},
+    def clocks(mhz, cap):
+        return {"samples": 10, "sm_mhz_mean": mhz, "sm_mhz_min": mhz - 100, "power_w_mean": 650.0,
+                "power_w_max": 700.0, "power_cap_share": cap, "hw_slowdown_share": 0.0, "thermal_share": 0.0}
+    out = {"defaults": {"samples": [10.0, 11.0], "logits": ref, "clocks": [clocks(1900, 0.0), clocks(1800, 0.5)]},
            "close": {"samples": [9.0, 10.0], "logits": ref + 1e-4 * torch.randn(1, 64, generator=g)},
            "moved": {"samples": [9.0, 10.0], "logits": ref.flip(-1)},
            "nan": {"samples": [9.0, 10.0], "logits": torch.full_like(ref, float("nan"))}}
@@ -701,3 +704,36 @@ def test_ab_logits_that_moved_make_the_record_invalid(records_dir):
     assert [r["verdict"] for r in recs] == ["VALID", "INVALID", "INVALID"]
     assert "differ" in recs[1]["reasons"][0] and "finite" in recs[2]["reasons"][0]
     assert recs[0]["results"]["paired_ratio_median"] == pytest.approx((0.9 + 10.0 / 11.0) / 2)
+    peer = recs[0]["results"]["clocks_peer"]
+    assert peer["sm_mhz_mean"] == 1850 and peer["power_cap_share"] == 0.25 and peer["sm_mhz_min"] == 1700
+    assert peer["samples"] == 20 and "clocks_ours" not in recs[0]["results"]
+
+
+def test_clock_summary_counts_each_slowdown_reason():
+    from benchmarks import gpu_clocks as gc_
+    rows = [(1980.0, 400.0, 0), (1755.0, 700.0, gc_.POWER_CAP), (1600.0, 690.0, gc_.POWER_CAP | 0x20),
+            (1500.0, 710.0, gc_.POWER_BRAKE)]
+    s = gc_.summarize_clocks(rows, {"power_limit_w": 700.0})
+    assert s["samples"] == 4 and s["sm_mhz_min"] == 1500.0 and s["power_w_max"] == 710.0
+    assert s["sm_mhz_mean"] == pytest.approx((1980 + 1755 + 1600 + 1500) / 4)
+    assert (s["power_cap_share"], s["thermal_share"], s["hw_slowdown_share"]) == (0.5, 0.25, 0.25)
+    assert s["power_limit_w"] == 700.0
+
+
+def test_clock_sampler_samples_on_its_thread_and_stops():
+    """Without a driver it records nothing (summary None); with a reader it samples until the block ends."""
+    from benchmarks.gpu_clocks import ClockSampler
+    import time as _time
+    s = ClockSampler()
+    if s._nvml is None:  # the CPU machine: no NVML driver
+        with s:
+            _time.sleep(0.01)
+        assert s.summary() is None
+    s = ClockSampler(interval_s=0.001)
+    s._nvml, s._read = object(), lambda: (1700.0, 650.0, 0x4)
+    with s:
+        _time.sleep(0.05)
+    n = len(s.rows)
+    _time.sleep(0.02)
+    assert n == len(s.rows) > 5, "sampling must stop with the block"
+    assert s.summary()["power_cap_share"] == 1.0
