@@ -14,7 +14,7 @@ CUDA events from an idle device to its end (`benchmarks.timing.time_calls`); one
 `results.peer_ms` the defaults' median in the same rounds (`results.peer` = "defaults"), the per-round ratios
 variant/defaults (`results.paired_ratio_median`: rounds pair calls that ran seconds apart, so a drift of the
 machine cancels), and the variant's last-position logits against the defaults' (relative RMS error, the same
-argmax, the same bits). Each timed call also samples the GPU's clocks through NVML (`benchmarks.gpu_clocks`;
+argmax, the same bits). Each timed call also samples the GPU's clocks through NVML (`benchmarks.timing`, `benchmarks.gpu_clocks`;
 `results.clocks_ours` / `clocks_peer`: mean SM clock, board power, the share of samples under the power cap),
 since a faster kernel can lose its gain to a lower clock in a power-capped prefill. A variant whose logits are non-finite or differ past `LOGITS_TOL` is INVALID.
 """
@@ -29,15 +29,11 @@ import statistics
 import torch
 
 from benchmarks.cli import ints
-from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.timing import log, summarize, time_calls
 
 # Launch configs change summation orders at most (the grouped MoE kernels keep torch's bits exactly); a wrong
 # tile or expert moves bf16 logits by order 1.
 LOGITS_TOL = 2e-2
-# NVML sampling period during each timed call (`benchmarks.gpu_clocks`): a few hundred samples over a 140 ms
-# prefill; the thread takes the GIL briefly at each, alike in every arm
-CLOCK_INTERVAL_S = 0.005
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
@@ -120,16 +116,13 @@ def ab_case(model, T: int, variants: list[tuple[str, str, dict]], rounds: int, d
         held.clear()  # the previous cache goes before the next is allocated
         held["cache"] = model.new_cache(1, T)
 
-    index = torch.device(device).index or 0
-
     def call(arm):
         name, module, changes = arm
         with (applied(module, changes) if module else contextlib.nullcontext()):
-            fresh_cache()
-            with ClockSampler(index, CLOCK_INTERVAL_S) as clocks:
-                s = time_calls(lambda: held.__setitem__("logits", model.prefill(ids, held["cache"])), 1, device)
+            s = time_calls(lambda: held.__setitem__("logits", model.prefill(ids, held["cache"])), 1, device,
+                           setup=fresh_cache)
         out[name]["logits"] = held["logits"].float().cpu()
-        return s.samples_ms[0], clocks.summary()
+        return s.samples_ms[0], s.clocks
 
     for arm in arms:  # untimed: compilation
         call(arm)

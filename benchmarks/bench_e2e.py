@@ -41,7 +41,7 @@ import torch
 
 from benchmarks import roofline
 from benchmarks.cli import ints
-from benchmarks.timing import Samples, log, summarize, sync, time_calls, time_steps
+from benchmarks.timing import Samples, clock_sampler, log, summarize, sync, time_calls, time_steps
 
 PEERS = ("hf", "hf-fla")
 HF_MODULE = "transformers.models.kimi_linear.modeling_kimi_linear"
@@ -160,13 +160,17 @@ def hf_decode(hf, ids: torch.Tensor, steps: int, device) -> dict:
     clock = _StepClock(device)
     sync(device)
     t0 = time.perf_counter()
-    hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 2, min_new_tokens=steps + 2,
-                do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=hf.config.pad_token_id,
-                logits_processor=LogitsProcessorList([clock]))
+    cuda = torch.device(device).type == "cuda"
+    with (clock_sampler(device) if cuda else contextlib.nullcontext()) as clocks:
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 2, min_new_tokens=steps + 2,
+                    do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=hf.config.pad_token_id,
+                    logits_processor=LogitsProcessorList([clock]))
     # The first decode step is warm-up, as ours are: it carries fla's autotuning of the decode kernel at a new
     # shape (H200, record b2aff72e: 794 ms, then ~147 ms a step).
     ms = [1000.0 * (b - a) for a, b in zip(clock.stamps[1:], clock.stamps[2:])]
-    return {"samples": Samples(ms, 1000.0 * (clock.stamps[-1] - clock.stamps[1])),
+    # the clocks cover generate's prefill and warm-up step too: a few of its many steps
+    samples = Samples(ms, 1000.0 * (clock.stamps[-1] - clock.stamps[1]), clocks.summary() if cuda else None)
+    return {"samples": samples,
             "prefill_ms": 1000.0 * (clock.stamps[0] - t0), "finite": bool(torch.stack(clock.finite).all())}
 
 
@@ -337,6 +341,8 @@ def measured(res: dict | None, reason: str | None, tokens: int, what: str) -> Ou
     if res is None:
         return Outcome(reason=f"{what}: {reason}", invalid=True)
     samples = res.pop("samples")
+    if samples.clocks:
+        res["clocks"] = samples.clocks
     out = Outcome(tokens * samples.per_s, samples, res)
     if not res.pop("finite"):
         out.reason, out.invalid = f"{what}: NaN/inf in the logits", True

@@ -3,7 +3,9 @@ and progress lines for unattended runs.
 
 On a CUDA device the times come from CUDA events recorded on the current stream, so they measure what the GPU
 did between two points of the host's launch sequence (including the gaps where it waited for the host); on a
-CPU they come from the host clock, which is the same thing there.
+CPU they come from the host clock, which is the same thing there. On CUDA the GPU's clocks are sampled over the
+timed calls (`Samples.clocks`, `benchmarks.gpu_clocks`): a compute-bound run on the H200 can sit at its 700 W
+power cap with the SM clock well under its maximum, and a timing should say so.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+from benchmarks.gpu_clocks import ClockSampler, summarize_clocks
 
 _T0 = time.perf_counter()
 
@@ -33,6 +37,7 @@ class Samples:
     call to the end of the last (so it also counts whatever ran between calls)."""
     samples_ms: list[float]
     total_ms: float
+    clocks: dict | None = None  # the GPU's clocks over the timed calls (`benchmarks.gpu_clocks`); None without NVML
 
     def __post_init__(self):
         if not self.samples_ms:
@@ -55,6 +60,13 @@ def summarize(samples_ms: list[float]) -> dict:
     return {"median_ms": float(med), "p10_ms": float(p10), "p90_ms": float(p90)}
 
 
+CLOCK_INTERVAL_S = 0.01  # NVML sampling period while calls are timed; ctypes lets the GIL go during each read
+
+
+def clock_sampler(device) -> ClockSampler:
+    return ClockSampler(torch.device(device).index or 0, CLOCK_INTERVAL_S)
+
+
 def time_steps(step: Callable[[], object], n: int, device) -> Samples:
     """Run `step()` n times back to back and time each call. On CUDA nothing waits for the GPU between
     calls (events are read after the last one), so the host runs ahead exactly as in a real decode loop."""
@@ -63,12 +75,14 @@ def time_steps(step: Callable[[], object], n: int, device) -> Samples:
     if torch.device(device).type == "cuda":
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        for s, e in zip(starts, ends):
-            s.record()
-            step()
-            e.record()
-        ends[-1].synchronize()
-        return Samples([s.elapsed_time(e) for s, e in zip(starts, ends)], starts[0].elapsed_time(ends[-1]))
+        with clock_sampler(device) as clocks:
+            for s, e in zip(starts, ends):
+                s.record()
+                step()
+                e.record()
+            ends[-1].synchronize()
+        return Samples([s.elapsed_time(e) for s, e in zip(starts, ends)], starts[0].elapsed_time(ends[-1]),
+                       clocks.summary())
     stamps = [time.perf_counter()]
     for _ in range(n):
         step()
@@ -82,20 +96,23 @@ def time_calls(fn: Callable[[], object], reps: int, device, setup: Callable[[], 
     each call (e.g. a fresh cache for a prefill)."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
-    ms = []
+    ms, rows, limits = [], [], {}
     for _ in range(reps):
         if setup is not None:
             setup()
         sync(device)
         if torch.device(device).type == "cuda":
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
+            with clock_sampler(device) as clocks:
+                s.record()
+                fn()
+                e.record()
+                e.synchronize()
             ms.append(s.elapsed_time(e))
+            rows += clocks.rows
+            limits = clocks.limits
         else:
             t = time.perf_counter()
             fn()
             ms.append(1000.0 * (time.perf_counter() - t))
-    return Samples(ms, float(sum(ms)))
+    return Samples(ms, float(sum(ms)), summarize_clocks(rows, limits) if rows else None)

@@ -402,3 +402,11 @@ def test_decomposition_table_shows_exclusive_shares_where_the_record_has_them(fi
     assert table.header[-1] == "ours, exclusive time"
     rows = {r[0]: r for r in table.rows}
     assert rows["gemm"][-1] == "62.5%" and rows["kda"][-1] == "37.5%" and rows["ms per step"][-1] == "—"
+
+
+def test_clock_text_says_how_far_under_its_maximum_the_gpu_ran():
+    from reports.render import clock_text
+    c = {"sm_mhz_mean": 1703.4, "sm_mhz_max": 1980.0, "power_cap_share": 1.0}
+    assert clock_text(c) == "1,703 of 1,980 MHz; cap 100%"
+    assert clock_text({"sm_mhz_mean": 1500.0, "power_cap_share": 0.25}) == "1,500 MHz; cap 25%"
+    assert clock_text(None) == clock_text({}) == "—"  # records from before the clocks were sampled
