@@ -6,7 +6,8 @@
 `--phase prefill` traces `--steps` prefills of a random `--context`-token prompt, each from a fresh cache (its
 allocation included, as a new request would pay it), eager; the record's `step_ms` is then ms per prefill and
 `params.phase` says `prefill`. `--variant NAME=MODULE:JSON` traces with a launch config changed
-(`benchmarks.bench_ab`), recorded as `params.variant`, to see where a variant's time goes inside the model. The rest of this text is about the default, `--phase decode`.
+(`benchmarks.bench_ab`), recorded as `params.variant`, to see where a variant's time goes inside the model. The
+rest of this text is about the default, `--phase decode`.
 
 A random prompt of `--context` tokens is prefilled, then each mode decodes greedily: `eager` is
 `model.decode_step` launched op by op from Python, `graph` the CUDA-graph decoder (`model.fast.GraphDecoder`).
