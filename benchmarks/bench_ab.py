@@ -16,7 +16,7 @@ variant/defaults (`results.paired_ratio_median`: rounds pair calls that ran seco
 machine cancels), and the variant's last-position logits against the defaults' (relative RMS error, the same
 argmax, the same bits). Each timed call also samples the GPU's clocks through NVML (`benchmarks.timing`,
 `benchmarks.gpu_clocks`; `results.clocks_ours` / `clocks_peer`: mean SM clock, board power, the share of samples
-under the power cap, the board's energy a call), since a faster kernel can lose its gain to a lower clock in a
+under the power cap), since a faster kernel can lose its gain to a lower clock in a
 power-capped prefill. A variant whose logits are non-finite or differ past `LOGITS_TOL` is INVALID.
 """
 from __future__ import annotations
@@ -89,8 +89,6 @@ def mean_clocks(per_call: list[dict]) -> dict:
     """The calls' clock summaries (`gpu_clocks.summarize_clocks`) averaged call by call; extremes over all."""
     out = {k: sum(c[k] for c in per_call) / len(per_call) for k in per_call[0]
            if k.endswith(("_mean", "_share"))}
-    if all(c.get("energy_j") is not None for c in per_call):
-        out["energy_j_per_call"] = sum(c["energy_j"] for c in per_call) / len(per_call)
     out.update(samples=sum(c["samples"] for c in per_call), sm_mhz_min=min(c["sm_mhz_min"] for c in per_call),
                power_w_max=max(c["power_w_max"] for c in per_call),
                **{k: per_call[0][k] for k in ("sm_mhz_max", "power_limit_w") if k in per_call[0]})
@@ -171,9 +169,7 @@ def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) 
             f"{results['paired_ratio_max']:.4f}); logits rel_err {cmp['rel_err_vs_peer']:.2e}, same bits "
             f"{cmp['same_bits']}: {rec['verdict']}" + "".join(
                 f"; {side} SM {c['sm_mhz_mean']:.0f} MHz, {c['power_w_mean']:.0f} W, power cap in "
-                f"{c['power_cap_share']:.0%} of samples"
-                + (f", {c['energy_j_per_call']:.1f} J a call" if "energy_j_per_call" in c else "")
-                for side in ("ours", "peer")
+                f"{c['power_cap_share']:.0%} of samples" for side in ("ours", "peer")
                 if (c := results.get(f"clocks_{side}"))))
     return recs
 

@@ -169,10 +169,7 @@ def hf_decode(hf, ids: torch.Tensor, steps: int, device) -> dict:
     # shape (H200, record b2aff72e: 794 ms, then ~147 ms a step).
     ms = [1000.0 * (b - a) for a, b in zip(clock.stamps[1:], clock.stamps[2:])]
     # the clocks cover generate's prefill and warm-up step too: a few of its many steps
-    summary = clocks.summary() if cuda else None
-    if summary:
-        summary.pop("energy_j", None)  # it spans generate's prefill and warm-up too: no per-token figure
-    samples = Samples(ms, 1000.0 * (clock.stamps[-1] - clock.stamps[1]), summary)
+    samples = Samples(ms, 1000.0 * (clock.stamps[-1] - clock.stamps[1]), clocks.summary() if cuda else None)
     return {"samples": samples,
             "prefill_ms": 1000.0 * (clock.stamps[0] - t0), "finite": bool(torch.stack(clock.finite).all())}
 
@@ -346,8 +343,6 @@ def measured(res: dict | None, reason: str | None, tokens: int, what: str) -> Ou
     samples = res.pop("samples")
     if samples.clocks:
         res["clocks"] = samples.clocks
-        if samples.clocks.get("energy_j") is not None:  # the board's energy over the timed calls
-            res["joules_per_token"] = samples.clocks["energy_j"] / (tokens * len(samples.samples_ms))
     out = Outcome(tokens * samples.per_s, samples, res)
     if not res.pop("finite"):
         out.reason, out.invalid = f"{what}: NaN/inf in the logits", True

@@ -8,9 +8,10 @@ kernels draw more power, and the driver lowers the clock of everything around th
     s.summary()  # {"samples": n, "sm_mhz_mean": ..., "power_cap_share": ..., ...}, or None without NVML
 
 NVML's board power on Hopper is averaged by the driver over a window (tens of ms to ~1 s), so `power_w_*`
-lag a short call; the SM clock and the reason flags are read as they stand at each sample. `energy_j` is the
-difference of the board's energy counter across the block: under a power cap, joules per token is the figure a
-faster kernel has to lower.
+lag a short call; the SM clock and the reason flags are read as they stand at each sample. The board's energy
+counter (`nvmlDeviceGetTotalEnergyConsumption`) is not read: over single calls of 0.05 to 0.6 s it gave figures
+above the power cap (117 J over a 137 ms prefill would be 855 W against a 700 W cap; erratum in records/), so its
+updates are too coarse for these windows.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ class ClockSampler:
         self._stop = threading.Event()
         self._thread = None
         self._nvml = self._handle = None
-        self.energy_j: float | None = None  # the board's energy counter over the block, where NVML keeps one
         try:
             import pynvml
             pynvml.nvmlInit()
@@ -58,15 +58,8 @@ class ClockSampler:
                 pass
             time.sleep(self.interval_s)
 
-    def _energy_mj(self) -> int | None:
-        try:
-            return int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
-        except Exception:  # not every GPU keeps the counter
-            return None
-
     def __enter__(self) -> "ClockSampler":
         if self._nvml is not None:
-            self._energy0 = self._energy_mj()
             self._thread = threading.Thread(target=self._run, name="clock-sampler", daemon=True)
             self._thread.start()
         return self
@@ -75,19 +68,13 @@ class ClockSampler:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-            end = self._energy_mj()
-            if self._energy0 is not None and end is not None:
-                self.energy_j = (end - self._energy0) / 1000.0
 
     def summary(self) -> dict | None:
-        if not self.rows:
-            return None
-        return summarize_clocks(self.rows, self.limits, self.energy_j)
+        return summarize_clocks(self.rows, self.limits) if self.rows else None
 
 
-def summarize_clocks(rows: list[tuple[float, float, int]], limits: dict, energy_j: float | None = None) -> dict:
-    """Means and extremes of the samples, the share of samples that carried each slowdown reason, and the energy
-    the board's counter (`nvmlDeviceGetTotalEnergyConsumption`, mJ) advanced by, where it was read."""
+def summarize_clocks(rows: list[tuple[float, float, int]], limits: dict) -> dict:
+    """Means and extremes of the samples, and the share of samples that carried each slowdown reason."""
     mhz = [r[0] for r in rows]
     watts = [r[1] for r in rows]
 
@@ -96,4 +83,4 @@ def summarize_clocks(rows: list[tuple[float, float, int]], limits: dict, energy_
     return {"samples": len(rows), "sm_mhz_mean": sum(mhz) / len(mhz), "sm_mhz_min": min(mhz),
             "power_w_mean": sum(watts) / len(watts), "power_w_max": max(watts),
             "power_cap_share": share(POWER_CAP), "hw_slowdown_share": share(HW_SLOWDOWN | POWER_BRAKE),
-            "thermal_share": share(THERMAL), **limits, **({} if energy_j is None else {"energy_j": energy_j})}
+            "thermal_share": share(THERMAL), **limits}

@@ -96,7 +96,7 @@ def time_calls(fn: Callable[[], object], reps: int, device, setup: Callable[[], 
     each call (e.g. a fresh cache for a prefill)."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
-    ms, rows, limits, energy = [], [], {}, []
+    ms, rows, limits = [], [], {}
     for _ in range(reps):
         if setup is not None:
             setup()
@@ -111,10 +111,8 @@ def time_calls(fn: Callable[[], object], reps: int, device, setup: Callable[[], 
             ms.append(s.elapsed_time(e))
             rows += clocks.rows
             limits = clocks.limits
-            energy.append(clocks.energy_j)
         else:
             t = time.perf_counter()
             fn()
             ms.append(1000.0 * (time.perf_counter() - t))
-    total_j = sum(energy) if energy and None not in energy else None
-    return Samples(ms, float(sum(ms)), summarize_clocks(rows, limits, total_j) if rows else None)
+    return Samples(ms, float(sum(ms)), summarize_clocks(rows, limits) if rows else None)

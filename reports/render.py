@@ -264,32 +264,30 @@ def speed_section(bench: list[dict], out: Path) -> Section:
         s.blocks.append(Figure(save(fig, out, f"speed_{phase}"), f"{phase} speed vs context", cite(used)))
         s.blocks.append(Table(
             ["context", "config", "ours tok/s", "roofline fraction", "host us / eager launch",
-             "GPU while timed (SM clock; samples at the power cap; energy)", "record",
+             "GPU while timed (SM clock; samples at the power cap)", "record",
              "peers (tok/s; decode by median step; record; first greedy tokens agreeing with ours; GPU clock)"],
             [[str(get(r, "params.context")), series_label(r), fmt(get(r, "results.tok_s")),
               fmt(get(r, "results.roofline_fraction"), ".1%"), fmt(get(r, "results.host_launch_us"), ".2f"),
-              clock_text(get(r, "results.clocks"), get(r, "results.joules_per_token")), short_id(r),
+              clock_text(get(r, "results.clocks")), short_id(r),
               ", ".join(f"{get(p, 'results.peer')} {fmt(peer_rate(p))} ({short_id(p)}{spot_text(p)}{peer_clock(p)})"
                         for (cfg, _), p in sorted(peers.items(), key=lambda kv: str(kv[0])) if cfg == key) or "—"]
              for key, r in sorted(ours.items(), key=lambda kv: config_order(kv[0]))], cite(used)))
     return s
 
 
-def clock_text(c: dict | None, j_per_token: float | None = None) -> str:
+def clock_text(c: dict | None) -> str:
     """The GPU's clocks over a timed run (`benchmarks.gpu_clocks`) for a table cell: mean SM clock against its
-    maximum, the share of samples the driver held under the power cap, and the board's joules per token where
-    its energy counter was read."""
+    maximum, and the share of samples the driver held under the power cap."""
     if not isinstance(c, dict) or "sm_mhz_mean" not in c:
         return "—"
     top = f" of {c['sm_mhz_max']:,.0f}" if c.get("sm_mhz_max") else ""
-    energy = f"; {j_per_token:.3g} J/token" if j_per_token is not None else ""
-    return f"{c['sm_mhz_mean']:,.0f}{top} MHz; cap {c['power_cap_share']:.0%}{energy}"
+    return f"{c['sm_mhz_mean']:,.0f}{top} MHz; cap {c['power_cap_share']:.0%}"
 
 
 def peer_clock(r: dict) -> str:
     """A peer's clocks for its table cell (`clock_text`), after a separator; empty where none were sampled."""
     c = get(r, "results.peer_clocks")
-    return f"; {clock_text(c, get(r, 'results.peer_joules_per_token'))}" if c else ""
+    return f"; {clock_text(c)}" if c else ""
 
 
 def spot_text(r: dict) -> str:

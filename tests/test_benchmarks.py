@@ -694,8 +694,7 @@ def test_ab_logits_that_moved_make_the_record_invalid(records_dir):
     ref = torch.randn(1, 64, generator=g)
     def clocks(mhz, cap):
         return {"samples": 10, "sm_mhz_mean": mhz, "sm_mhz_min": mhz - 100, "power_w_mean": 650.0,
-                "power_w_max": 700.0, "power_cap_share": cap, "hw_slowdown_share": 0.0, "thermal_share": 0.0,
-                "energy_j": mhz / 100}
+                "power_w_max": 700.0, "power_cap_share": cap, "hw_slowdown_share": 0.0, "thermal_share": 0.0}
     out = {"defaults": {"samples": [10.0, 11.0], "logits": ref, "clocks": [clocks(1900, 0.0), clocks(1800, 0.5)]},
            "close": {"samples": [9.0, 10.0], "logits": ref + 1e-4 * torch.randn(1, 64, generator=g)},
            "moved": {"samples": [9.0, 10.0], "logits": ref.flip(-1)},
@@ -708,7 +707,6 @@ def test_ab_logits_that_moved_make_the_record_invalid(records_dir):
     peer = recs[0]["results"]["clocks_peer"]
     assert peer["sm_mhz_mean"] == 1850 and peer["power_cap_share"] == 0.25 and peer["sm_mhz_min"] == 1700
     assert peer["samples"] == 20 and "clocks_ours" not in recs[0]["results"]
-    assert peer["energy_j_per_call"] == pytest.approx(18.5)
 
 
 def test_clock_summary_counts_each_slowdown_reason():
@@ -732,23 +730,11 @@ def test_clock_sampler_samples_on_its_thread_and_stops():
             _time.sleep(0.01)
         assert s.summary() is None
     s = ClockSampler(interval_s=0.001)
-    counter = iter([1_000_000, 1_032_500])  # the board's energy counter, mJ, at enter and at exit
-    s._nvml, s._read, s._energy_mj = object(), lambda: (1700.0, 650.0, 0x4), lambda: next(counter)
+    s._nvml, s._read = object(), lambda: (1700.0, 650.0, 0x4)
     with s:
         _time.sleep(0.05)
     n = len(s.rows)
     _time.sleep(0.02)
     assert n == len(s.rows) > 5, "sampling must stop with the block"
-    assert s.summary()["power_cap_share"] == 1.0 and s.summary()["energy_j"] == 32.5
+    assert s.summary()["power_cap_share"] == 1.0
 
-
-def test_measured_turns_the_boards_energy_into_joules_per_token():
-    """Two timed prefills of 100 tokens over which the energy counter advanced 50 J: 0.25 J a token; without a
-    counter reading, no figure."""
-    clocks = {"samples": 4, "sm_mhz_mean": 1800.0, "power_cap_share": 1.0, "energy_j": 50.0}
-    out = bench_e2e.measured({"samples": Samples([10.0, 10.0], 20.0, clocks), "finite": True}, None, 100, "ours")
-    assert out.extra["clocks"] == clocks and out.extra["joules_per_token"] == pytest.approx(0.25)
-    bare = dict(clocks)
-    bare.pop("energy_j")
-    out = bench_e2e.measured({"samples": Samples([10.0], 10.0, bare), "finite": True}, None, 100, "ours")
-    assert "joules_per_token" not in out.extra and out.extra["clocks"] == bare

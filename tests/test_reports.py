@@ -409,5 +409,4 @@ def test_clock_text_says_how_far_under_its_maximum_the_gpu_ran():
     c = {"sm_mhz_mean": 1703.4, "sm_mhz_max": 1980.0, "power_cap_share": 1.0}
     assert clock_text(c) == "1,703 of 1,980 MHz; cap 100%"
     assert clock_text({"sm_mhz_mean": 1500.0, "power_cap_share": 0.25}) == "1,500 MHz; cap 25%"
-    assert clock_text(c, 0.01234) == "1,703 of 1,980 MHz; cap 100%; 0.0123 J/token"
     assert clock_text(None) == clock_text({}) == "—"  # records from before the clocks were sampled
