@@ -7,12 +7,16 @@ cannot be trusted. Whoever sent the tree knows which commit it was: each record 
 that copy) that DEST (default: this checkout's records) does not already hold, by id, is appended with `git.commit`
 set to that commit and the box's own view kept under `git.device_reported`, with `git.note` saying which run it
 was. Records are appended whole through `store.append`; nothing already in DEST changes. Torn or malformed lines
-of SRC are reported and skipped, never imported.
+of SRC are reported and skipped, never imported. A record's trace file (`results.trace`, a path under
+`reports/traces/` of the tree, as `benchmarks.decompose` writes it) comes along from SRC's tree (the directory
+above SRC) into DEST's (the directory above DEST), so the record's path holds here too; a trace that SRC's tree
+lacks, or a path outside `reports/traces/`, is reported and not copied.
 """
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -41,6 +45,7 @@ def import_run(src: str | Path, commit: str, note: str, root: str | Path | None 
     incoming = store.load(root=src)
     have = {r["id"] for r in store.load(root=root).records}
     counts: Counter = Counter()
+    problems = list(incoming.problems)
     for r in incoming.records:
         if r["id"] in have:
             continue
@@ -51,7 +56,25 @@ def import_run(src: str | Path, commit: str, note: str, root: str | Path | None 
         store.append(r, root=root)
         have.add(r["id"])
         counts[r["kind"]] += 1
-    return counts, incoming.problems
+        trace = (r.get("results") or {}).get("trace")
+        if isinstance(trace, str):
+            problem = _copy_trace(trace, src.parent, store.records_dir(root).parent)
+            if problem:
+                problems.append(f"record {r['id'][:8]}: {problem}")
+    return counts, problems
+
+
+def _copy_trace(trace: str, src_tree: Path, dest_tree: Path) -> str | None:
+    """Copy the trace file a record names from SRC's tree to DEST's; a problem to report, or None."""
+    rel = Path(trace)
+    if rel.is_absolute() or ".." in rel.parts or rel.parts[:2] != ("reports", "traces"):
+        return f"trace path {trace!r} is not under reports/traces/: not copied"
+    if not (src_tree / rel).is_file():
+        return f"trace {trace} is not in {src_tree}: the record names a file that did not come back"
+    if not (dest_tree / rel).exists():
+        (dest_tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src_tree / rel, dest_tree / rel)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

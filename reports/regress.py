@@ -18,7 +18,9 @@ MIN_HISTORY_RUNS of its history carry the host probe (results.host_launch_us, th
 and whose slowdown is no larger than the probe's is `host-slower`: launch-bound work (an eager prefill of a short
 prompt, HF's eager decode) moves with the host, and on the H200 the host has moved by 1.6x between two device calls
 while graph-captured and GPU-bound runs did not move. It is reported, and it does not fail the check: a real
-regression hidden under an equal host slowdown shows again in the next run on a normal host.
+regression hidden under an equal host slowdown shows again in the next run on a normal host. Where the runs carry
+the GPU's clocks (`results.clocks`), the message adds the new run's mean SM clock and power-cap share against the
+history's (`clock_note`); it informs and does not change the verdict.
 
 `python -m reports.regress [--records DIR]` checks the latest run of every fingerprint and exits 1
 when any regressed.
@@ -120,6 +122,7 @@ def check(new: dict, history: list[dict], k: int = HISTORY_RUNS) -> Regression:
         if verdict == "regression" and host > 1 + margin and ratio <= host:
             verdict = "host-slower"
             message += ": the host slowed as much as the run did"
+    message += clock_note(new, earlier)
     return Regression(key, verdict, new_median, hist_median, ratio, p_value, message, new["id"], hist_ids)
 
 
@@ -133,6 +136,23 @@ def host_ratio(new: dict, earlier: list[dict]) -> float | None:
     if mine is None or len(theirs) < MIN_HISTORY_RUNS:
         return None
     return mine / float(np.median(theirs))
+
+
+def clock_note(new: dict, earlier: list[dict]) -> str:
+    """The GPU's mean SM clock and power-cap share over the new run's timed calls (`results.clocks`, sampled since
+    ed8089d) against the history runs that carry them: a note, not a verdict. A long prefill on the H200 runs at
+    its 700 W cap with the clock lowered, so a slower run at a lower clock may be the board, not the code."""
+    def clocks(r):
+        c = (r.get("results") or {}).get("clocks")
+        return c if isinstance(c, dict) and isinstance(c.get("sm_mhz_mean"), (int, float)) else None
+    mine = clocks(new)
+    if mine is None:
+        return ""
+    note = f"; SM clock {mine['sm_mhz_mean']:.0f} MHz, at the power cap in {mine.get('power_cap_share', 0):.0%}"
+    theirs = [c["sm_mhz_mean"] for c in map(clocks, earlier) if c is not None]
+    if theirs:
+        note += f" (history: {float(np.median(theirs)):.0f} MHz over {len(theirs)} run(s))"
+    return note
 
 
 def check_latest(records: list[dict], k: int = HISTORY_RUNS) -> list[Regression]:

@@ -208,3 +208,21 @@ def test_import_run_refuses_a_commit_it_cannot_vouch_for(tmp_path, capsys, commi
                             "--root", str(tmp_path / "here")])
     assert code == 2 and match in capsys.readouterr().err
     assert not (tmp_path / "here").exists()
+
+
+def test_import_run_brings_the_trace_a_record_names(tmp_path, capsys):
+    """A decomposition record's trace comes along into the tree above DEST; a record naming a trace that did not
+    come back, or a path outside reports/traces/, is reported and copies nothing."""
+    from records import import_run
+    box, here = tmp_path / "box" / "records", tmp_path / "here" / "records"
+    (tmp_path / "box" / "reports" / "traces").mkdir(parents=True)
+    (tmp_path / "box" / "reports" / "traces" / "t1.json.gz").write_bytes(b"trace one")
+    for trace in ("reports/traces/t1.json.gz", "reports/traces/missing.json.gz", "../../etc/passwd"):
+        append(make_record("decomposition", preset=None, dtype=None, device="cuda", weights=None,
+                           params={"phase": "prefill"}, results={"trace": trace}), root=box)
+    assert import_run.main([str(box), "--commit", _head(), "--note", "run 8", "--root", str(here)]) == 0
+    err = capsys.readouterr().err
+    assert (tmp_path / "here" / "reports" / "traces" / "t1.json.gz").read_bytes() == b"trace one"
+    assert "missing.json.gz is not in" in err and "not under reports/traces/" in err
+    assert len(load(root=here).records) == 3  # the records come in either way
+    assert not (tmp_path / "etc").exists()

@@ -147,3 +147,17 @@ def test_cli_on_the_fixture_history_exits_1_for_the_planted_slowdown(capsys):
     out = capsys.readouterr().out
     flagged = [line for line in out.splitlines() if line.strip().startswith("regression")]
     assert len(flagged) == 1 and "/decode/8192/" in flagged[0]
+
+
+def test_the_message_names_the_gpu_clock_against_the_historys_and_the_verdict_stands():
+    """A slower run at a lower clock is still judged on its times; the message says what the clocks were."""
+    rng, hist = history(7)
+    for r, mhz in zip(hist, (1980, 1975, 1980, 1970, 1980, 1980, 1978, 1980)):
+        r["results"]["clocks"] = {"sm_mhz_mean": float(mhz), "power_cap_share": 0.0}
+    new = bench_run(rng, 100, slowdown=1.10)
+    new["results"]["clocks"] = {"sm_mhz_mean": 1807.0, "power_cap_share": 0.81}
+    result = regress.check(new, hist)
+    assert result.verdict == "regression", result.message
+    assert "SM clock 1807 MHz, at the power cap in 81% (history: 1980 MHz over 8 run(s))" in result.message
+    bare = regress.check(bench_run(rng, 101, slowdown=1.10), history(7)[1])
+    assert bare.verdict == "regression" and "SM clock" not in bare.message
