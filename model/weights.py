@@ -8,7 +8,9 @@ and rounded to the checkpoint format's dtype (bf16; fp32 for A_log, dt_bias, e_s
 held in `dtype`: the fp64, fp32 and bf16 models carry the same values, and so does a checkpoint written from
 any of them (precision comparisons and the HF oracle hold the same weights). They depend
 on (seed, name, config, device type): torch's CPU and CUDA generators differ, so a golden made on a GPU records
-the weights fingerprint, never "seed 0".
+the weights fingerprint, never "seed 0". On a CPU they are the same on every machine: the transforms of the
+draws run in fp64 and round once (`_normal`, `_fp32_op`), since ATen's fp32 forms go through vector math whose
+last bit follows the CPU's vendor and instruction set (MKL's and ATen's own dispatch).
 
 Scales (D hidden, d KDA head dim, W conv taps, r kv_lora_rank, L layers, fan_in = the input dim of a [out, in]
 weight; f = 1/sqrt(2L)):
@@ -88,20 +90,60 @@ def _init(cfg: KimiConfig, name: str, shape: tuple[int, ...]) -> tuple[str, floa
     raise AssertionError(f"no init rule for {name} {shape}")  # a tensor added to layout() without a rule
 
 
+def _fp32_op(fn, t: torch.Tensor) -> torch.Tensor:
+    """fn(t) for fp32 t, the same bits on every CPU. ATen's fp32 log/exp/expm1 on a CPU call MKL's vector math,
+    whose code path, and with it the last bit, follows the CPU's vendor and instruction set: the same tiny
+    weights fingerprinted sha256:35c32957752f141b on an AMD EPYC and under MKL_CBWR=AVX on an Intel Xeon, but
+    sha256:dac1778045f9abee under that Xeon's own AVX-512 path. In fp64 and rounded once to fp32 the result is
+    the correctly rounded one on any CPU (it could differ only where an fp64 result within an ulp of it sits on
+    an fp32 rounding boundary). CUDA keeps its own fp32 ops: the 48B goldens were made from weights drawn that
+    way."""
+    return fn(t.double()).float() if t.device.type == "cpu" else fn(t)
+
+
+def _uniform(x: torch.Tensor, lo: float, hi: float, g: torch.Generator) -> torch.Tensor:
+    """x (fp32) <- U(lo, hi) from g; returns x. On a CPU from g's fp64 uniforms on [0, 1), scaled in fp64 and
+    rounded once: ATen's fp32 uniform_(lo, hi) scales in a kernel that the CPU's instruction set picks, and its
+    values differed in the last bit between ATEN_CPU_CAPABILITY=default and avx2. On CUDA, torch's as before."""
+    if x.device.type != "cpu":
+        return x.uniform_(lo, hi, generator=g)
+    u = torch.empty(x.shape, dtype=torch.float64).uniform_(generator=g)
+    return x.copy_((lo + (hi - lo) * u).float())
+
+
+_NORMAL_CHUNK = 1 << 22  # values per fp64 Box-Muller step on a CPU (64 MiB of uniforms)
+
+
+def _normal(x: torch.Tensor, mean: float, std: float, g: torch.Generator) -> None:
+    """x (contiguous fp32) <- N(mean, std^2) from g. On a CPU by Box-Muller in fp64 from g's fp64 uniforms, rounded
+    once: ATen's own CPU normal_ transforms in fp32 through vector math chosen by the CPU's instruction set (the
+    tiny weights differed between ATEN_CPU_CAPABILITY=default and avx2), this is the same on every CPU
+    (`_fp32_op`). On CUDA, torch's normal_ as before."""
+    if x.device.type != "cpu":
+        x.normal_(mean, std, generator=g)
+        return
+    flat = x.view(-1)
+    for i in range(0, flat.numel(), _NORMAL_CHUNK):
+        part = flat[i:i + _NORMAL_CHUNK]
+        u = torch.empty(part.numel(), 2, dtype=torch.float64).uniform_(generator=g)
+        z = torch.sqrt(-2.0 * torch.log1p(-u[:, 0])) * torch.cos((2 * math.pi) * u[:, 1])
+        part.copy_((mean + std * z).float())
+
+
 def _fill(dst: torch.Tensor, kind: str, std: float, g: torch.Generator, fmt: torch.dtype) -> None:
     """Draw in fp32, round to the checkpoint format's dtype `fmt` (bf16 for all but the fp32-kept tensors),
     then store in dst's dtype: synthetic weights hold the values a real checkpoint could hold, so an fp32 or
     fp64 model and the checkpoint our writer makes from it carry exactly the same weights."""
     x = torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
     if kind == "normal":
-        x.normal_(0.0, std, generator=g)
+        _normal(x, 0.0, std, g)
     elif kind == "one_plus":
-        x.normal_(1.0, std, generator=g)
+        _normal(x, 1.0, std, g)
     elif kind == "A_log":
-        x.uniform_(1.0, 16.0, generator=g).log_()
+        x.copy_(_fp32_op(torch.log, _uniform(x, 1.0, 16.0, g)))
     elif kind == "dt_bias":
-        dt = x.uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp_().clamp_min_(1e-4)
-        x.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus, the stable form
+        dt = _fp32_op(torch.exp, _uniform(x, math.log(1e-3), math.log(1e-1), g)).clamp_min_(1e-4)
+        x.copy_(dt + _fp32_op(torch.log, -_fp32_op(torch.expm1, -dt)))  # inverse softplus, the stable form
     else:
         raise AssertionError(kind)
     dst.copy_(x.to(fmt))
