@@ -121,13 +121,18 @@ def test_packed_equals_unpacked_recompute_and_incremental(tiny, prompt):
 
 
 def test_packed_projections_bit_identical_except_b_on_cpu(tiny):
+    """Rows of several tokens: the packed GEMM gives the separate projections' bits (b, 32 columns, sums in
+    another order). A single row goes down the BLAS's GEMV path, whose blocking over the output columns follows N:
+    with MKL on an Intel Xeon (AVX-512) about 1% of the packed q|k|v outputs then differ in the last bits (relative
+    1e-8), where on an AMD EPYC they did not; so one row is held to fp32 rounding instead."""
     _, a = kda_layers(tiny)[0]
     for x in (torch.randn(3, 7, CFG.hidden_size), torch.randn(1, CFG.hidden_size), torch.randn(4, CFG.hidden_size)):
         outs, refs = a._project(x), separate_projections(a, x)
+        one_row = x.reshape(-1, x.shape[-1]).shape[0] == 1
         for name, o, r in zip(("qkv", "f", "gate", "b"), outs, refs):
             assert o.shape == r.shape, name
-            if name == "b":
-                assert rel_err(o, r) < 1e-6
+            if name == "b" or one_row:
+                assert rel_err(o, r) < 1e-6, name
             else:
                 assert torch.equal(o, r), name
 
