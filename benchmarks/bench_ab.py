@@ -29,6 +29,7 @@ import statistics
 
 import torch
 
+import model.triton as mt
 from benchmarks.cli import ints
 from benchmarks.timing import log, summarize, time_calls
 
@@ -53,23 +54,25 @@ def parse_variant(text: str) -> tuple[str, str, dict]:
 
 
 def _tuples(v):
+    """JSON's lists as the tuples the CONFIGs hold, inside dicts too."""
+    if isinstance(v, dict):
+        return {k: _tuples(x) for k, x in v.items()}
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+def changed_config(module: str, changes: dict) -> tuple[dict, dict]:
+    """(`model.triton.<module>.CONFIG`, that CONFIG with `changes`, merged as `model.triton.launch_config` merges a
+    sweep's overrides); an unknown module (ImportError) or key (KeyError) is an error, before anything runs."""
+    cfg = importlib.import_module(f"model.triton.{module}").CONFIG
+    return cfg, mt.launch_config(f"model.triton.{module}.CONFIG", cfg, _tuples(changes))
 
 
 @contextlib.contextmanager
 def applied(module: str, changes: dict):
-    """`model.triton.<module>.CONFIG` with `changes` inside the block; an unknown module or key is an error."""
-    cfg = importlib.import_module(f"model.triton.{module}").CONFIG
-    saved = {k: cfg[k] for k in cfg}
-    for k, v in changes.items():
-        if k not in cfg:
-            raise KeyError(f"model.triton.{module}.CONFIG has no key {k!r}; it has {sorted(cfg)}")
-        if isinstance(cfg[k], dict):
-            unknown = sorted(set(v) - set(cfg[k]))
-            if unknown:
-                raise KeyError(f"model.triton.{module}.CONFIG[{k!r}] has no keys {unknown}")
-            v = {**cfg[k], **{kk: _tuples(vv) for kk, vv in v.items()}}
-        cfg[k] = _tuples(v)
+    """`model.triton.<module>.CONFIG` with `changes` inside the block (`changed_config`), restored after it."""
+    cfg, new = changed_config(module, changes)
+    saved = dict(cfg)
+    cfg.update(new)
     try:
         yield
     finally:
@@ -191,8 +194,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error("--rounds must be >= 1")
     for _, module, changes in args.variant:  # a typo fails here, before the model is built
         try:
-            with applied(module, changes):
-                pass
+            changed_config(module, changes)
         except (KeyError, ImportError) as e:
             ap.error(str(e))
     from model.build import load_model

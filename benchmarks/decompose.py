@@ -261,14 +261,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error("no CUDA device here: use --quick for the CPU smoke run")
     device_type = torch.device(a.device).type
 
-    variant = contextlib.nullcontext()
     if a.variant:
         try:
-            variant = bench_ab.applied(*a.variant[1:])
-            with bench_ab.applied(*a.variant[1:]):
-                pass
+            bench_ab.changed_config(*a.variant[1:])  # a typo fails here, before the model is built
         except (KeyError, ImportError) as e:
             ap.error(str(e))
+
+    def variant():  # a fresh context per mode: one made by contextlib.contextmanager runs once
+        return bench_ab.applied(*a.variant[1:]) if a.variant else contextlib.nullcontext()
     notes = []
     if a.phase == "prefill":
         modes = ["eager"]  # a prefill is launched op by op; --modes is about decode
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if a.variant:
             params["variant"] = dict(zip(("name", "module", "changes"), a.variant))
         try:
-            with variant:
+            with variant():
                 out = run_prefill(model, ids, a.steps, a.device) if a.phase == "prefill" else \
                     run_mode(model, mode, ids, a.steps, a.prefill_chunk, a.device)
         except Exception as e:  # e.g. a graph capture failing: keep the other mode's record, say what broke

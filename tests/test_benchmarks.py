@@ -293,6 +293,23 @@ def test_decompose_traces_under_a_variant_and_records_it(records_dir, tmp_path):
         decompose.main(["--quick", "--phase", "prefill", "--variant", 'v=moe_grouped:{"nokey": 1}'])
 
 
+def test_decompose_holds_the_variant_for_every_mode(records_dir, tmp_path, monkeypatch):
+    """With two modes (eager, then graph) each runs under the variant: a context that could run only once would
+    leave the second mode's trace unmade (INVALID) or made without the variant."""
+    from model.triton import moe_grouped
+    seen, real = [], decompose.run_mode
+
+    def spy(model, mode, *a, **k):
+        seen.append((mode, moe_grouped.CONFIG["down"]["tma"]))
+        return real(model, "eager", *a, **k)  # the CPU has no graph mode: trace eager twice
+    monkeypatch.setattr(decompose, "graph_unavailable", lambda device: None)
+    monkeypatch.setattr(decompose, "run_mode", spy)
+    recs = decompose.main(["--quick", "--trace-dir", str(tmp_path / "traces"),
+                           "--variant", 'v=moe_grouped:{"down": {"tma": true}}'])
+    assert seen == [("eager", True), ("graph", True)] and moe_grouped.CONFIG["down"]["tma"] is False
+    assert [r["verdict"] for r in recs] == ["VALID", "VALID"]
+
+
 def test_self_time_ops_split_each_operator_around_its_children():
     ev = [dict(name="aten::linear", ts=0, dur=10, pid=1, tid=1), dict(name="aten::mm", ts=1, dur=8, pid=1, tid=1),
           dict(name="aten::resolve_conj", ts=2, dur=1, pid=1, tid=1), dict(name="aten::add", ts=12, dur=2, pid=1, tid=1),

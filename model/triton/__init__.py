@@ -57,13 +57,27 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return kept_buffer("arrival counters", device, n, ARRIVAL_COUNTERS, torch.int32)
 
 
+class UnknownConfigKeys(ValueError, KeyError):
+    """A launch-config override naming keys the defaults lack (a ValueError to kernels' callers, a KeyError to
+    those that look keys up, as `benchmarks.bench_ab` does)."""
+
+
 def launch_config(name: str, defaults: dict, cfg: dict | None) -> dict:
-    """A kernel's launch config: its module's defaults with `cfg`'s overrides (a benchmark sweep's); an unknown key
-    is an error, not a silent no-op."""
-    unknown = sorted(set(cfg or {}) - set(defaults))
+    """A kernel's launch config: its module's defaults with `cfg`'s overrides (a benchmark sweep's, a model-level
+    A/B's); a default that is itself a dict (one kernel's tiles among several) takes an override's keys one by one,
+    so an override names only what it changes. An unknown key, at either level, is an error, not a silent no-op."""
+    cfg = cfg or {}
+    unknown = sorted(set(cfg) - set(defaults))
     if unknown:
-        raise ValueError(f"{name}: unknown cfg keys {unknown}")
-    return {**defaults, **(cfg or {})}
+        raise UnknownConfigKeys(f"{name}: unknown cfg keys {unknown}")
+    out = {**defaults, **cfg}
+    for k, v in cfg.items():
+        if isinstance(defaults[k], dict):
+            unknown = sorted(set(v) - set(defaults[k]))
+            if unknown:
+                raise UnknownConfigKeys(f"{name}: {k!r} has no keys {unknown} (unknown cfg keys)")
+            out[k] = {**defaults[k], **v}
+    return out
 
 
 def compiled(kernel) -> bool:

@@ -229,22 +229,12 @@ def _launch(kernel, n_all: int, k: dict, device: torch.device, *args, **meta) ->
                         num_warps=k["num_warps"], num_stages=k["num_stages"])
 
 
-def _kernel_config(name: str, which: str, cfg: dict | None) -> tuple[dict, dict]:
-    """(the whole config, `which` kernel's launch config): CONFIG with cfg's overrides, a kernel's dict merged key
-    by key (a sweep may name only the keys it changes)."""
-    c = mt.launch_config(name, CONFIG, cfg)
-    k = {**CONFIG[which], **(cfg or {}).get(which, {})}
-    unknown = sorted(set(k) - set(CONFIG[which]))
-    if unknown:
-        raise ValueError(f"{name}: unknown {which} cfg keys {unknown}")
-    return c, k
-
-
 def gate_up_silu(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, K: int,
                  cfg: dict | None = None) -> torch.Tensor:
     """h [M, I] = silu(W1[e] x_r) * W3[e] x_r for each sorted pair row r (token order[r] // K, expert e by offs),
     rounded as the torch form rounds; tiles and warps from CONFIG["gate_up"] (`cfg` overrides CONFIG's keys)."""
-    c, k = _kernel_config("moe_grouped.gate_up_silu", "gate_up", cfg)
+    c = mt.launch_config("moe_grouped.gate_up_silu", CONFIG, cfg)
+    k = c["gate_up"]
     N, D = x.shape
     M, I = order.numel(), gate_up.shape[1] // 2
     E = gate_up.shape[0]
@@ -261,7 +251,8 @@ def gate_up_silu(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_
 def down(h: torch.Tensor, offs: torch.Tensor, down_w: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
     """out [M, D] = W2[e] h_r for each sorted row r (expert e by offs), rounded to h's dtype; tiles and warps from
     CONFIG["down"]."""
-    c, k = _kernel_config("moe_grouped.down", "down", cfg)
+    c = mt.launch_config("moe_grouped.down", CONFIG, cfg)
+    k = c["down"]
     M, I = h.shape
     E, D = down_w.shape[:2]
     tiles = expert_tiles(offs, M, k["BM"])
