@@ -106,8 +106,9 @@ class KimiDeltaAttention(nn.Module):
         f, gate = torch.bmm(fg_a.reshape(-1, 2, d).transpose(0, 1), self.gate_b_weight.transpose(1, 2))
         return qkv, f.view(*x.shape[:-1], nd), gate.view(*x.shape[:-1], nd), b
 
-    def forward(self, x: torch.Tensor, cache: KDAState | None = None) -> torch.Tensor:
-        """A span of tokens [B, T, D]: chunked form from the carried state (zeros without a cache)."""
+    def forward(self, x: torch.Tensor, cache: KDAState | None = None, last_only: bool = False) -> torch.Tensor:
+        """A span of tokens [B, T, D]: chunked form from the carried state (zeros without a cache). With last_only,
+        the state still takes in every token, but only the last one's output is normed and projected: [B, 1, D]."""
         fg = self.forget_gate
         qkv, f, gate, b = self._project(x)
         qkv, taps = ops.causal_conv1d(qkv, self.conv1d.weight[:, 0], None if cache is None else cache.taps)
@@ -119,6 +120,8 @@ class KimiDeltaAttention(nn.Module):
             cache.state.copy_(state)
             cache.taps.copy_(taps)
         gate = gate.unflatten(-1, (self.num_heads, self.head_dim))
+        if last_only:
+            o, gate = o[:, -1:], gate[:, -1:]
         o = ops.gated_rmsnorm(o.to(x.dtype), gate, self.o_norm.weight, self.eps)
         return self.o_proj(o.flatten(-2))
 
@@ -160,11 +163,18 @@ class MultiLatentAttention(nn.Module):
         """x [..., D] -> (q [..., H*192], kv [..., R+P]) in one launch."""
         return F.linear(x, self.in_proj_weight).split([self.q_proj.out_features, self.R + self.P], dim=-1)
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int = 0) -> torch.Tensor:
-        """Tokens [B, T, D] at positions start..start+T-1; the latents of earlier positions come from the cache."""
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None, start: int = 0,
+                last_only: bool = False) -> torch.Tensor:
+        """Tokens [B, T, D] at positions start..start+T-1; the latents of earlier positions come from the cache.
+        With last_only, every token's latent is made (the cache, the keys), but only the last token queries:
+        [B, 1, D]."""
         B, T, _ = x.shape
-        q, kv = self._project(x)
-        q = q.reshape(B, T, self.H, -1).transpose(1, 2)                      # [B,H,T,192]
+        if last_only:
+            q, kv = self.q_proj(x[:, -1:]), self.kv_a_proj_with_mqa(x)   # views of the packed weight
+        else:
+            q, kv = self._project(x)
+        Tq = q.shape[1]
+        q = q.reshape(B, Tq, self.H, -1).transpose(1, 2)                     # [B,H,Tq,192]
         c, k_pe = kv.split([self.R, self.P], dim=-1)
         c = self.kv_a_layernorm(c)
         if cache is not None:
@@ -180,7 +190,7 @@ class MultiLatentAttention(nn.Module):
         k[..., :self.dn] = k_nope
         k[..., self.dn:] = k_pe[:, None]
         o = ops.mla_prefill_attention(q, k, v, self.scale)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.H * self.dv))
+        return self.o_proj(o.transpose(1, 2).reshape(B, Tq, self.H * self.dv))
 
     def decode(self, x: torch.Tensor, cache: MLACache, pos: torch.Tensor) -> torch.Tensor:
         """One token per sequence at position `pos` (a device scalar), attending over the latent cache.
@@ -289,12 +299,20 @@ class DecoderLayer(nn.Module):
         normed, h = ops.add_rmsnorm(a, residual, post.weight, post.eps)
         return self.mlp(normed), h
 
-    def forward(self, x, residual=None, cache_layer=None, start: int = 0):
+    def forward(self, x, residual=None, cache_layer=None, start: int = 0, last_only: bool = False):
         """A span of tokens. Returns (delta, residual): the layer's output is residual + delta, an add left
-        to the next layer's input norm (or the final norm)."""
+        to the next layer's input norm (or the final norm).
+
+        last_only: the model's last layer when only the last position's logits are asked for. The attention still
+        takes every token into the cache (its state or latents), and that is all any later step reads of them; only
+        the last token goes on through the attention's output and the MLP, so (delta, residual) are [B, 1, D]. At
+        48B-A3B this saves, per prompt, a 27th of the MoE and of the attention (an MLA layer's)."""
         a, residual = self._norm_in(x, residual)
-        a = self.self_attn(a, cache_layer) if self.kind == "kda" else self.self_attn(a, cache_layer, start)
-        return self._ffn(a, residual)
+        if self.kind == "kda":
+            a = self.self_attn(a, cache_layer, last_only=last_only)
+        else:
+            a = self.self_attn(a, cache_layer, start, last_only=last_only)
+        return self._ffn(a, residual[:, -1:] if last_only else residual)
 
     def decode(self, x, residual, cache_layer, pos):
         a, residual = self._norm_in(x, residual)

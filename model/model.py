@@ -64,8 +64,9 @@ class KimiLinear(nn.Module):
         """ids [B, T] -> logits [B, T, V] fp32 (or [B, V] with last_only), no state carried."""
         self.check_ids(ids)
         h, res = self.model.embed_tokens(ids), None
-        for layer in self.model.layers:
-            h, res = layer(h, res)
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            h, res = layer(h, res, last_only=last_only and i == last)
         return self._logits(h[:, -1], res[:, -1]) if last_only else self._logits(h, res)
 
     @torch.no_grad()
@@ -76,8 +77,9 @@ class KimiLinear(nn.Module):
         if start + T > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} positions; {start} used, {T} more asked")
         h, res = self.model.embed_tokens(ids), None
-        for layer, cl in zip(self.model.layers, cache.layers):
-            h, res = layer(h, res, cl, start)
+        last = len(self.model.layers) - 1
+        for i, (layer, cl) in enumerate(zip(self.model.layers, cache.layers)):
+            h, res = layer(h, res, cl, start, last_only=last_only and i == last)
         cache.length += T
         cache.pos.fill_(cache.length)
         return self._logits(h[:, -1], res[:, -1]) if last_only else self._logits(h, res)

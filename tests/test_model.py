@@ -1,4 +1,6 @@
 """The model's two generation paths against each other, against HF transformers, and on bad input."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -35,6 +37,60 @@ def test_incremental_equals_fresh_recompute_at_every_step(tiny, prompt):
     assert inc.tokens == rec.tokens
     for step, (a, b) in enumerate(zip(inc.logits, rec.logits)):
         assert rel_err(a, b) <= 1e-5, f"step {step}"
+
+
+def _cache_tensors(cache):
+    return [t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("last", ["kda", "mla"])
+def test_last_layer_takes_only_the_last_token_on(last):
+    """With only the last logits asked for, the last layer takes every token into the cache but only the last one
+    through its attention output and MLP: the same logits as the whole last layer's last row, the same cache bits.
+    Both kinds of last layer (tiny ends in KDA, 48b-a3b in MLA), from an empty cache and after a first chunk."""
+    cfg = CFG if last == "kda" else dataclasses.replace(CFG, kda_layers=(1, 2, 3), full_attn_layers=(4,)).validate()
+    assert cfg.layer_kinds[-1] == last
+    m = from_state_dict(cfg, synthetic_weights(cfg, seed=3))
+    ids = torch.tensor([PROMPTS[2]])
+    rows = []
+    m.model.layers[-1].mlp.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[1]))
+    assert rel_err(m(ids, last_only=True), m(ids)[:, -1]) < 1e-6
+    assert rows == [1, ids.shape[1]]   # the trim happened: the last MLP saw one token, then all of them
+    for first in (0, 29):
+        trimmed, whole = m.new_cache(1, 80), m.new_cache(1, 80)
+        if first:
+            m.prefill(ids[:, :first], trimmed), m.prefill(ids[:, :first], whole)
+        a = m.prefill(ids[:, first:], trimmed)
+        b = m.prefill(ids[:, first:], whole, last_only=False)
+        assert a.shape == (1, cfg.vocab_size) and rel_err(a, b[:, -1]) < 1e-6, first
+        assert all(torch.equal(x, y) for x, y in zip(_cache_tensors(trimmed), _cache_tensors(whole)))
+
+
+def test_last_layer_trim_is_checked_by_its_test(monkeypatch):
+    """Negative controls for the test above: a last query that attends from the first position's place (the
+    causal mask aligned at the start, as SDPA's is_causal aligns it) moves the logits; a last layer whose
+    attention input is trimmed too leaves its tokens out of the cache."""
+    from torch.nn.attention.bias import causal_upper_left
+
+    from model import ops
+    cfg = dataclasses.replace(CFG, kda_layers=(1, 2, 3), full_attn_layers=(4,)).validate()
+    m = from_state_dict(cfg, synthetic_weights(cfg, seed=3))
+    ids = torch.tensor([PROMPTS[2]])
+    whole = m(ids)[:, -1]
+    with monkeypatch.context() as p:
+        p.setattr(ops, "causal_lower_right", causal_upper_left)
+        assert rel_err(m(ids, last_only=True), whole) > 1e-3
+    layer, forward = m.model.layers[-1], type(m.model.layers[-1]).forward
+
+    def trims_too_early(self, x, residual=None, cache_layer=None, start=0, last_only=False):
+        if last_only:
+            x, residual = x[:, -1:], None if residual is None else residual[:, -1:]
+        return forward(self, x, residual, cache_layer, start + (x.shape[1] - 1 if last_only else 0), last_only)
+
+    monkeypatch.setattr(type(layer), "forward", trims_too_early)
+    trimmed, full = m.new_cache(1, 80), m.new_cache(1, 80)
+    m.prefill(ids, trimmed), m.prefill(ids, full, last_only=False)
+    assert not all(torch.equal(x, y) for x, y in zip(_cache_tensors(trimmed), _cache_tensors(full)))
 
 
 def test_chunked_prefill_then_decode_equals_one_prefill(tiny):

@@ -378,11 +378,13 @@ def test_decode_batch_64():
         assert_close(o_grid, blocks, 1e-6, f"{grid} grid: o")
 
 
-def test_decode_rejects_an_unknown_grid():
+def test_decode_rejects_an_unknown_grid_or_cfg_key():
     inp = decode_inputs(1, 1, 16, 4, torch.float32, 0)
     for grid in ("diagonal", "head"):   # "head" was measured slower and removed
         with pytest.raises(ValueError, match="grid must be one of"):
             run_decode(inp, cfg=dict(grid=grid))
+    with pytest.raises(ValueError, match="unknown cfg keys"):   # a sweep's typo is an error, not the default
+        run_decode(inp, cfg=dict(warps=4))
 
 
 # ---- norms --------------------------------------------------------------------------------------

@@ -180,6 +180,12 @@ def test_cache_append_matches_torch(B, R, P, L, where, dtype, seed):
     check(c[:, pos], c_ref[:, pos].double(), 1e-6 if dtype == "fp32" else 1e-2, "c at pos")
 
 
+def test_absorb_rejects_an_unknown_cfg_key():
+    """A sweep's typo is an error, not a silent run of the default tiles."""
+    with pytest.raises(ValueError, match="unknown cfg keys"):
+        mla_absorb(torch.randn(1, 2, 8, device=DEV), torch.randn(2, 8, 16, device=DEV), dict(BM=16))
+
+
 def test_cache_append_rejects_shapes_that_do_not_fit():
     kv, weight, c, k_pe = cache_append_inputs(1, 32, 16, 8, torch.float32, 0)
     from model.triton.mla_decode import mla_cache_append

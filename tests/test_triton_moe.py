@@ -19,7 +19,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, globaltimer  # noq
 import model.triton as mt  # noqa: E402
 from model import ops  # noqa: E402
 from model.layers import MLP  # noqa: E402
-from model.triton.moe import fused_moe_decode, fused_moe_small_batch, fused_router, route  # noqa: E402
+from model.triton.moe import (expert_down, expert_gate_up, fused_moe_decode, fused_moe_small_batch,  # noqa: E402
+                              fused_router, route)
 from model.triton.moe_combine import _moe_combine_kernel  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 
@@ -158,6 +159,9 @@ def test_router_rejects_wrong_shapes():
         fused_router(torch.randn(1, 16), torch.randn(8, 12), torch.zeros(8), 2, 1.0, True)
     with pytest.raises(ValueError, match="power of two"):
         fused_router(torch.randn(1, 16), torch.randn(8, 16), torch.zeros(8), 3, 1.0, True)
+    with pytest.raises(ValueError, match="unknown cfg keys"):   # a sweep's typo is an error, not the default
+        fused_router(torch.randn(1, 16, device=DEV), torch.randn(8, 16, device=DEV), torch.zeros(8, device=DEV), 2,
+                     1.0, True, cfg=dict(BLOCK_D=4))
 
 
 def expert_inputs(N, D, I, E, K, seed, with_shared, dtype=torch.float32):
@@ -211,6 +215,12 @@ def test_experts_reject_wrong_shapes():
     with pytest.raises(ValueError, match="do not fit"):
         fused_moe_small_batch(x, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2), torch.randn(4, 16, 32),
                               torch.randn(4, 16, 4))
+    x, idx = x.to(DEV), torch.zeros(1, 2, dtype=torch.long, device=DEV)
+    with pytest.raises(ValueError, match="unknown cfg keys"):   # a sweep's typo is an error, not the default
+        expert_gate_up(x, idx, torch.randn(4, 8, 16, device=DEV), cfg=dict(BLOCK_K=16))
+    with pytest.raises(ValueError, match="unknown cfg keys"):
+        expert_down(torch.randn(2, 4, device=DEV), idx, torch.ones(1, 2, device=DEV), torch.randn(4, 16, 4, device=DEV),
+                    cfg=dict(BLOCK_K=16))
 
 
 # The grouped form at small fp32 shapes runs on the CPU (torch's grouped_mm); its Triton combine step can take CPU

@@ -268,7 +268,7 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     if norm_weight is not None:
         out_gate, norm_weight = out_gate.contiguous(), norm_weight.contiguous()
     o = mt.empty(B, H, D, dtype=qkv_raw.dtype, device=state.device)
-    c = {**decode_config(B), **(cfg or {})}
+    c = mt.launch_config("fused_kda_decode", decode_config(B), cfg)
     if c["grid"] not in GRIDS:
         raise ValueError(f"fused_kda_decode: grid must be one of {GRIDS}, got {c['grid']!r}")
     BV = min(D, c["BV"])

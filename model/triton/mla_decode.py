@@ -290,7 +290,7 @@ def mla_absorb(x, w, cfg: dict | None = None):
     N = w.shape[2]
     assert x.stride(-1) == 1 and w.shape[:2] == (H, K)
     mt.require_runnable(_absorb_kernel, x.device)
-    c = {**absorb_config(K), **(cfg or {})}
+    c = mt.launch_config("mla_absorb", absorb_config(K), cfg)
     out = mt.empty(B, H, N, dtype=torch.float32, device=x.device)
     BN = min(_pad(N), c["BN"])
     _absorb_kernel[(H, triton.cdiv(N, BN))](x, w, out, B, x.stride(0), x.stride(1), *w.stride(), K=K, N=N,

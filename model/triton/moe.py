@@ -221,7 +221,7 @@ def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None, early: bool =
     sg, su = (t.contiguous() for t in shared_gate_up) if shared_gate_up is not None else (gate_up, gate_up)
     slots = K + (shared_gate_up is not None)
     act = mt.empty(N * slots, I, dtype=x.dtype, device=x.device)
-    c = {**GATE_UP, **(cfg or {})}
+    c = mt.launch_config("expert_gate_up", GATE_UP, cfg)
     bi, bd = min(c["BLOCK_I"], triton.next_power_of_2(I)), min(c["BLOCK_D"], triton.next_power_of_2(D))
     _moe_expert_gate_up_kernel[(N * slots, triton.cdiv(I, bi))](x, idx, gate_up, sg, su, act, D, I, K, slots, bi, bd,
                                                                **pdl(_moe_expert_gate_up_kernel, x.device, early),
@@ -237,7 +237,7 @@ def expert_down(act, idx, w, down, shared_down=None, cfg=None, early: bool = Fal
     D, I = down.shape[1], down.shape[2]
     sd = shared_down.contiguous() if shared_down is not None else down
     y = mt.empty(N, D, dtype=act.dtype, device=act.device)
-    c = {**DOWN, **(cfg or {})}
+    c = mt.launch_config("expert_down", DOWN, cfg)
     bd, bi = min(c["BLOCK_D"], triton.next_power_of_2(D)), min(c["BLOCK_I"], triton.next_power_of_2(I))
     _moe_expert_down_kernel[(N, triton.cdiv(D, bd))](act, idx, w, down, sd, y, D, I, K, triton.next_power_of_2(K),
                                                      shared_down is not None, bd, bi,
@@ -343,7 +343,7 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
         raise ValueError(f"router weight {tuple(weight.shape)} / bias {tuple(bias.shape)} do not fit x {tuple(x.shape)}")
     _check_k(k)
     mt.require_runnable(_moe_router_kernel, x.device)
-    c = {**ROUTER, **(cfg or {})}
+    c = mt.launch_config("fused_router", ROUTER, cfg)
     be = min(c["BLOCK_E"], triton.next_power_of_2(E))
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.float().contiguous()
     idx = mt.empty(N, k, dtype=torch.int64, device=x.device)
