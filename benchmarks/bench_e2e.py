@@ -349,6 +349,13 @@ def measured(res: dict | None, reason: str | None, tokens: int, what: str) -> Ou
     return out
 
 
+def host_pacing(samples: Samples) -> dict:
+    """The host's time per call and how many calls it paced (`Samples.host_paced`), where they were measured."""
+    if samples.host_ms is None:
+        return {}
+    return {"host_ms": samples.host_ms, "host_paced": samples.host_paced()}
+
+
 def peer_measured(res: dict | None, reason: str | None, tokens: int, peer: str) -> Outcome:
     """`measured` for a peer, except that a peer running out of memory is a skip, not a failure: it shares our
     weights on one device, and at long contexts HF alone asks for more than is left (H200, 128k context: 128 GiB,
@@ -556,13 +563,14 @@ class Bench:
                    "host_launch_us": self.ceil.launch_us, **work,
                    "samples_ms": ours.samples.samples_ms if ours.samples else [], **ours.extra}
         if ours.samples:
-            results.update(summarize(ours.samples.samples_ms))
+            results.update(summarize(ours.samples.samples_ms), **host_pacing(ours.samples))
         if theirs is not None:
             results.update(peer_kernels=self.kernels.get(peer), spot_check=self.spot.get(peer),
                            **{f"peer_{k}": v for k, v in theirs.extra.items()})
         if theirs is not None and theirs.samples:
             results.update(peer_tok_s=theirs.tok_s, peer_samples_ms=theirs.samples.samples_ms,
-                           peer_median_ms=summarize(theirs.samples.samples_ms)["median_ms"])
+                           peer_median_ms=summarize(theirs.samples.samples_ms)["median_ms"],
+                           **{f"peer_{k}": v for k, v in host_pacing(theirs.samples).items()})
             if ours.tok_s:
                 results["speedup_vs_peer"] = ours.tok_s / theirs.tok_s
 

@@ -59,15 +59,22 @@ class KimiLinear(nn.Module):
         h, _ = ops.add_rmsnorm(delta, residual, norm.weight, norm.eps)
         return self.lm_head(h).float()
 
+    def _run_layers(self, ids: torch.Tensor, cache: DecodeCache | None, start: int, last_only: bool) -> torch.Tensor:
+        """The layers over ids [B, T] at positions start.., each taking its tokens into its cache layer when a cache
+        is given. last_only: the last layer takes only the last position through its attention output and MLP
+        (its cache still takes every token; `DecoderLayer.forward`), and only that position's logits come back."""
+        h, res = self.model.embed_tokens(ids), None
+        layers = self.model.layers
+        cache_layers = [None] * len(layers) if cache is None else cache.layers
+        for i, (layer, cl) in enumerate(zip(layers, cache_layers)):
+            h, res = layer(h, res, cl, start, last_only=last_only and i == len(layers) - 1)
+        return self._logits(h[:, -1], res[:, -1]) if last_only else self._logits(h, res)
+
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """ids [B, T] -> logits [B, T, V] fp32 (or [B, V] with last_only), no state carried."""
         self.check_ids(ids)
-        h, res = self.model.embed_tokens(ids), None
-        last = len(self.model.layers) - 1
-        for i, layer in enumerate(self.model.layers):
-            h, res = layer(h, res, last_only=last_only and i == last)
-        return self._logits(h[:, -1], res[:, -1]) if last_only else self._logits(h, res)
+        return self._run_layers(ids, None, 0, last_only)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, cache: DecodeCache, last_only: bool = True) -> torch.Tensor:
@@ -76,13 +83,10 @@ class KimiLinear(nn.Module):
         start, T = cache.length, ids.shape[1]
         if start + T > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} positions; {start} used, {T} more asked")
-        h, res = self.model.embed_tokens(ids), None
-        last = len(self.model.layers) - 1
-        for i, (layer, cl) in enumerate(zip(self.model.layers, cache.layers)):
-            h, res = layer(h, res, cl, start, last_only=last_only and i == last)
+        logits = self._run_layers(ids, cache, start, last_only)
         cache.length += T
         cache.pos.fill_(cache.length)
-        return self._logits(h[:, -1], res[:, -1]) if last_only else self._logits(h, res)
+        return logits
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, cache: DecodeCache) -> torch.Tensor:

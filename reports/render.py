@@ -264,11 +264,11 @@ def speed_section(bench: list[dict], out: Path) -> Section:
         s.blocks.append(Figure(save(fig, out, f"speed_{phase}"), f"{phase} speed vs context", cite(used)))
         s.blocks.append(Table(
             ["context", "config", "ours tok/s", "roofline fraction", "host us / eager launch",
-             "GPU while timed (SM clock; samples at the power cap)", "record",
+             "GPU while timed (SM clock; samples at the power cap; prefill calls the host paced)", "record",
              "peers (tok/s; decode by median step; record; first greedy tokens agreeing with ours; GPU clock)"],
             [[str(get(r, "params.context")), series_label(r), fmt(get(r, "results.tok_s")),
               fmt(get(r, "results.roofline_fraction"), ".1%"), fmt(get(r, "results.host_launch_us"), ".2f"),
-              clock_text(get(r, "results.clocks")), short_id(r),
+              clock_text(get(r, "results.clocks")) + paced_text(r), short_id(r),
               ", ".join(f"{get(p, 'results.peer')} {fmt(peer_rate(p))} ({short_id(p)}{spot_text(p)}{peer_clock(p)})"
                         for (cfg, _), p in sorted(peers.items(), key=lambda kv: str(kv[0])) if cfg == key) or "—"]
              for key, r in sorted(ours.items(), key=lambda kv: config_order(kv[0]))], cite(used)))
@@ -284,10 +284,17 @@ def clock_text(c: dict | None) -> str:
     return f"{c['sm_mhz_mean']:,.0f}{top} MHz; cap {c['power_cap_share']:.0%}"
 
 
+def paced_text(r: dict, prefix: str = "") -> str:
+    """How many timed calls the host paced (`benchmarks.timing.Samples.host_paced`), after a separator; empty where
+    that was not measured (decode steps, CPU runs, records older than the field)."""
+    n = get(r, f"results.{prefix}host_paced")
+    return "" if n is None else f"; host-paced {n}/{len(get(r, f'results.{prefix}host_ms') or [])}"
+
+
 def peer_clock(r: dict) -> str:
     """A peer's clocks for its table cell (`clock_text`), after a separator; empty where none were sampled."""
     c = get(r, "results.peer_clocks")
-    return f"; {clock_text(c)}" if c else ""
+    return (f"; {clock_text(c)}" if c else "") + paced_text(r, "peer_")
 
 
 def spot_text(r: dict) -> str:

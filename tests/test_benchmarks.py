@@ -2,6 +2,7 @@
 bench_e2e and decompose end to end (tiny preset), with negative controls for what makes a record INVALID."""
 import gzip
 import json
+import time
 from collections import defaultdict
 from dataclasses import replace
 
@@ -91,6 +92,26 @@ def test_summarize_and_samples():
     assert Samples([2.0, 2.0], 5.0).per_s == pytest.approx(400.0)
     with pytest.raises(ValueError, match="no samples"):
         Samples([], 0.0)
+
+
+def test_host_paced_counts_calls_whose_host_time_reached_the_gpu_time():
+    s = Samples([10.0, 10.0, 10.0, 10.0], 40.0, host_ms=[9.6, 5.0, 10.4, 9.4])
+    assert s.host_paced() == 2                      # 9.6 and 10.4 reach 0.95 x 10; 9.4 and 5.0 do not
+    assert Samples([10.0], 10.0).host_paced() is None          # not measured (a CPU run, or back-to-back steps)
+    assert bench_e2e.host_pacing(s) == {"host_ms": [9.6, 5.0, 10.4, 9.4], "host_paced": 2}
+    assert bench_e2e.host_pacing(Samples([10.0], 10.0)) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_time_calls_tells_a_host_paced_call_from_a_gpu_paced_one():
+    """A call that sleeps on the host around a tiny kernel is host-paced; one big matmul, enqueued in microseconds,
+    is not. Both measured on the device by `time_calls`."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    host = time_calls(lambda: (torch.cuda._sleep(1000), time.sleep(0.02)), 3, "cuda")
+    gpu = time_calls(lambda: [a @ a for _ in range(8)], 3, "cuda")
+    assert host.host_paced() == 3 and min(host.host_ms) >= 20.0, host
+    assert gpu.host_paced() == 0 and max(h / g for h, g in zip(gpu.host_ms, gpu.samples_ms)) < 0.5, gpu
 
 
 def test_time_steps_and_calls_count_every_call():

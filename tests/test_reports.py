@@ -410,3 +410,11 @@ def test_clock_text_says_how_far_under_its_maximum_the_gpu_ran():
     assert clock_text(c) == "1,703 of 1,980 MHz; cap 100%"
     assert clock_text({"sm_mhz_mean": 1500.0, "power_cap_share": 0.25}) == "1,500 MHz; cap 25%"
     assert clock_text(None) == clock_text({}) == "—"  # records from before the clocks were sampled
+
+
+def test_paced_text_says_how_many_timed_calls_the_host_paced():
+    from reports.render import paced_text, peer_clock
+    r = {"results": {"host_ms": [40.0, 72.6, 76.5], "host_paced": 2, "peer_host_ms": [30.0], "peer_host_paced": 0}}
+    assert paced_text(r) == "; host-paced 2/3"
+    assert peer_clock(r) == "; host-paced 0/1"          # no peer clocks in this record, only its pacing
+    assert paced_text({"results": {"tok_s": 1.0}}) == ""  # decode steps, CPU runs, older records
