@@ -108,6 +108,7 @@ def test_time_calls_tells_a_host_paced_call_from_a_gpu_paced_one():
     """A call that sleeps on the host around a tiny kernel is host-paced; one big matmul, enqueued in microseconds,
     is not. Both measured on the device by `time_calls`."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a @ a  # warm-up: cuBLAS's first call spends ~0.1 s on the host (a GPU-paced call would read host-paced)
     host = time_calls(lambda: (torch.cuda._sleep(1000), time.sleep(0.02)), 3, "cuda")
     gpu = time_calls(lambda: [a @ a for _ in range(8)], 3, "cuda")
     assert host.host_paced() == 3 and min(host.host_ms) >= 20.0, host
