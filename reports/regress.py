@@ -20,7 +20,8 @@ prompt, HF's eager decode) moves with the host, and on the H200 the host has mov
 while graph-captured and GPU-bound runs did not move. It is reported, and it does not fail the check: a real
 regression hidden under an equal host slowdown shows again in the next run on a normal host. Where the runs carry
 the GPU's clocks (`results.clocks`), the message adds the new run's mean SM clock and power-cap share against the
-history's (`clock_note`); it informs and does not change the verdict.
+history's (`clock_note`), and a prefill record says how many of its calls the host paced (`pacing_note`); both
+inform and do not change the verdict.
 
 `python -m reports.regress [--records DIR]` checks the latest run of every fingerprint and exits 1
 when any regressed.
@@ -122,7 +123,7 @@ def check(new: dict, history: list[dict], k: int = HISTORY_RUNS) -> Regression:
         if verdict == "regression" and host > 1 + margin and ratio <= host:
             verdict = "host-slower"
             message += ": the host slowed as much as the run did"
-    message += clock_note(new, earlier)
+    message += clock_note(new, earlier) + pacing_note(new)
     return Regression(key, verdict, new_median, hist_median, ratio, p_value, message, new["id"], hist_ids)
 
 
@@ -153,6 +154,17 @@ def clock_note(new: dict, earlier: list[dict]) -> str:
     if theirs:
         note += f" (history: {float(np.median(theirs)):.0f} MHz over {len(theirs)} run(s))"
     return note
+
+
+def pacing_note(new: dict) -> str:
+    """How many of the new run's timed calls the host paced (`results.host_paced`, prefill records since 166f6c1,
+    `benchmarks.timing.Samples.host_paced`): a note, not a verdict. It says the host set the pace of those calls,
+    not whether the host's CPU or our own host-side code got slower; the host probe above tells those apart."""
+    res = new.get("results") or {}
+    n, host = res.get("host_paced"), res.get("host_ms")
+    if not isinstance(n, int) or not isinstance(host, list):
+        return ""
+    return f"; host-paced in {n} of {len(host)} calls"
 
 
 def check_latest(records: list[dict], k: int = HISTORY_RUNS) -> list[Regression]:

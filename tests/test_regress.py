@@ -161,3 +161,17 @@ def test_the_message_names_the_gpu_clock_against_the_historys_and_the_verdict_st
     assert "SM clock 1807 MHz, at the power cap in 81% (history: 1980 MHz over 8 run(s))" in result.message
     bare = regress.check(bench_run(rng, 101, slowdown=1.10), history(7)[1])
     assert bare.verdict == "regression" and "SM clock" not in bare.message
+
+
+def test_the_message_says_how_many_calls_the_host_paced_and_the_verdict_stands():
+    """Host pacing says who set the pace, not whose host got slower: a slowed run whose calls were all host-paced
+    is still a regression (no host probe moved), and its message says so."""
+    rng, hist = history(8)
+    new = bench_run(rng, 100, slowdown=1.10)
+    new["results"].update(host_ms=list(new["results"]["samples_ms"]), host_paced=len(new["results"]["samples_ms"]))
+    result = regress.check(new, hist)
+    assert result.verdict == "regression", result.message
+    assert result.message.endswith(f"; host-paced in {len(new['results']['samples_ms'])} of "
+                                   f"{len(new['results']['samples_ms'])} calls")
+    bare = regress.check(bench_run(rng, 101, slowdown=1.10), history(8)[1])
+    assert bare.verdict == "regression" and "host-paced" not in bare.message
