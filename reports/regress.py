@@ -156,15 +156,22 @@ def clock_note(new: dict, earlier: list[dict]) -> str:
     return note
 
 
-def pacing_note(new: dict) -> str:
-    """How many of the new run's timed calls the host paced (`results.host_paced`, prefill records since 166f6c1,
-    `benchmarks.timing.Samples.host_paced`): a note, not a verdict. It says the host set the pace of those calls,
-    not whether the host's CPU or our own host-side code got slower; the host probe above tells those apart."""
-    res = new.get("results") or {}
-    n, host = res.get("host_paced"), res.get("host_ms")
+def host_paced_text(results: dict, prefix: str = "") -> str:
+    """A record's host pacing as text, "host-paced n/total" (`benchmarks.timing.Samples.host_paced` over its
+    `host_ms`), or "" where the record has none (decode steps, CPU runs, records older than the fields); `prefix`
+    "peer_" reads the peer's. The one wording of it: this module's message and the report's speed table use it."""
+    n, host = results.get(f"{prefix}host_paced"), results.get(f"{prefix}host_ms")
     if not isinstance(n, int) or not isinstance(host, list):
         return ""
-    return f"; host-paced in {n} of {len(host)} calls"
+    return f"host-paced {n}/{len(host)}"
+
+
+def pacing_note(new: dict) -> str:
+    """How many of the new run's timed calls the host paced (`host_paced_text`, prefill records since 166f6c1): a
+    note, not a verdict. It says the host set the pace of those calls, not whether the host's CPU or our own
+    host-side code got slower; the host probe above tells those apart."""
+    text = host_paced_text(new.get("results") or {})
+    return f"; {text}" if text else ""
 
 
 def check_latest(records: list[dict], k: int = HISTORY_RUNS) -> list[Regression]:

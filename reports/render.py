@@ -285,10 +285,9 @@ def clock_text(c: dict | None) -> str:
 
 
 def paced_text(r: dict, prefix: str = "") -> str:
-    """How many timed calls the host paced (`benchmarks.timing.Samples.host_paced`), after a separator; empty where
-    that was not measured (decode steps, CPU runs, records older than the field)."""
-    n = get(r, f"results.{prefix}host_paced")
-    return "" if n is None else f"; host-paced {n}/{len(get(r, f'results.{prefix}host_ms') or [])}"
+    """`regress.host_paced_text` for a table cell, after a separator; empty where not measured."""
+    text = regress.host_paced_text(r.get("results") or {}, prefix)
+    return f"; {text}" if text else ""
 
 
 def peer_clock(r: dict) -> str:
