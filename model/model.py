@@ -45,7 +45,7 @@ class KimiLinear(nn.Module):
             raise TypeError(f"token ids must be int32/int64, got {ids.dtype}")
         if ids.numel() == 0 or ids.shape[-1] == 0:
             raise ValueError("empty prompt: at least one token id is needed")
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host sync, not one per bound
         if lo < 0 or hi >= self.cfg.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} lies outside the vocabulary 0..{self.cfg.vocab_size - 1}")
