@@ -20,8 +20,9 @@ A plan, from the rates of SPEC.md §4 and then from the rates measured so far, s
 would take more than `--peer-max-s` and anything that would end past `--budget-s`; each skip is recorded with
 its reason. An OOM or error in one configuration becomes an INVALID record and the run goes on. One `bench`
 record per configuration and peer. Each record also keeps the host probe measured at the start of the run
-(`results.host_launch_us`, `benchmarks.roofline.measure_launch_us`): HF's eager decode and an eager prefill of
-a short prompt are bound by the host's launch path, and move with it from run to run.
+(`results.host_launch_us`, `benchmarks.roofline.measure_launch_us`) and the host's cost of one launch of our own
+Triton kernels through their wrappers (`results.host_kernel_launch_us`, `measure_kernel_launch_us`): HF's eager
+decode and an eager prefill of a short prompt are bound by the host's launch path, and move with it from run to run.
 `--quick` runs the same code on the tiny preset on a CPU in seconds.
 """
 from __future__ import annotations
@@ -421,7 +422,7 @@ class Bench:
         s = self.s
         self.ceil = roofline.measure_ceilings(s.device, s.read_bytes, s.matmul_n, s.ceiling_reps)
         log(f"ceilings: read {self.ceil.hbm_gbps:.0f} GB/s, bf16 matmul {self.ceil.matmul_tflops:.1f} TFLOP/s; "
-            f"host: {self.ceil.launch_us:.2f} us an eager launch")
+            f"host: {self.ceil.launch_us:.2f} us an eager launch, {self.ceil.kernel_launch_us:.2f} us one of our kernels")
 
     def setup_peers(self) -> None:
         if not self.s.peers:
@@ -560,7 +561,7 @@ class Bench:
         results = {"tok_s": ours.tok_s, "peer": peer, "peer_tok_s": None, "speedup_vs_peer": None,
                    "roofline_tok_s": roof, "roofline_fraction": ours.tok_s / roof if ours.tok_s else None,
                    "hbm_gbps": self.ceil.hbm_gbps, "matmul_tflops": self.ceil.matmul_tflops,
-                   "host_launch_us": self.ceil.launch_us, **work,
+                   "host_launch_us": self.ceil.launch_us, "host_kernel_launch_us": self.ceil.kernel_launch_us, **work,
                    "samples_ms": ours.samples.samples_ms if ours.samples else [], **ours.extra}
         if ours.samples:
             results.update(summarize(ours.samples.samples_ms), **host_pacing(ours.samples))

@@ -12,8 +12,9 @@ Prefill is bound by matmul arithmetic:
     prefill roofline tok/s = bf16 matmul rate / FLOPs per token
 The ceilings are measured, never taken from a datasheet: a large reduction for read bandwidth, an 8192^3 bf16
 matmul for the arithmetic rate (SPEC.md §4: 4.25 TB/s and ~790 TFLOP/s on the H200). Beside them the host's cost
-of one eager launch (`measure_launch_us`): no roofline uses it, but launch-bound code (HF's eager decode, an eager
-prefill of a short prompt) moves with it from run to run, so each record keeps it.
+of one eager launch (`measure_launch_us`) and of one launch of our own Triton kernels (`measure_kernel_launch_us`):
+no roofline uses them, but launch-bound code (HF's eager decode, an eager prefill of a short prompt) moves with them
+from run to run, so each record keeps them.
 
 `python -m benchmarks.roofline [--preset 48b-a3b]` prints the per-token figures and, on a GPU, the ceilings.
 """
@@ -102,6 +103,7 @@ class Ceilings:
     hbm_gbps: float  # read bandwidth of a large reduction, GB/s (1e9)
     matmul_tflops: float  # bf16 matmul rate, TFLOP/s
     launch_us: float  # host wall time of one eager launch of a trivial op (measure_launch_us)
+    kernel_launch_us: float  # host wall time of one call of the model's RMSNorm op (measure_kernel_launch_us)
     read_bytes: int
     matmul_n: int
     reps: int
@@ -147,9 +149,20 @@ def measure_launch_us(device, n: int = 2000, reps: int = 5, op: Callable[[], obj
     return statistics.median(us)
 
 
+def measure_kernel_launch_us(device, n: int = 500, reps: int = 5) -> float:
+    """The host's cost of one call of one of the model's own ops, `model.ops.rmsnorm` on a single row (device work
+    nil): on CUDA a Triton launch through its wrapper (argument checks, the output's allocation, Triton's binder and
+    launcher), the path every Triton kernel of our eager prefill takes; on a CPU the torch form. Beside
+    `measure_launch_us` (an eager torch op) it says what a launch of our own kernels costs this host. Microseconds."""
+    from model import ops
+    x = torch.ones(1, 8, device=device, dtype=torch.bfloat16)
+    w = torch.ones(8, device=device, dtype=torch.bfloat16)
+    return measure_launch_us(device, n, reps, op=lambda: ops.rmsnorm(x, w, 1e-6))
+
+
 def measure_ceilings(device, read_bytes: int = 4 << 30, matmul_n: int = 8192, reps: int = 20) -> Ceilings:
     c = Ceilings(measure_read_gbps(device, read_bytes, reps), measure_matmul_tflops(device, matmul_n, reps),
-                 measure_launch_us(device), read_bytes, matmul_n, reps)
+                 measure_launch_us(device), measure_kernel_launch_us(device), read_bytes, matmul_n, reps)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return c

@@ -70,7 +70,7 @@ def test_prefill_flops_and_roofline():
 
 def test_measured_ceilings_on_cpu_are_positive():
     c = roofline.measure_ceilings("cpu", read_bytes=4 << 20, matmul_n=64, reps=3)
-    assert c.hbm_gbps > 0 and c.matmul_tflops > 0 and c.launch_us > 0
+    assert c.hbm_gbps > 0 and c.matmul_tflops > 0 and c.launch_us > 0 and c.kernel_launch_us > 0
 
 
 def test_launch_probe_reads_the_cost_of_one_call():
@@ -82,6 +82,22 @@ def test_launch_probe_reads_the_cost_of_one_call():
     assert slow >= 2000 and 0 < fast < slow / 10
     with pytest.raises(ValueError, match="n and reps"):
         roofline.measure_launch_us("cpu", n=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_launch_probe_times_our_triton_path():
+    """On CUDA the kernel probe's op is a Triton launch through our wrapper, which allocates its output with an eager
+    op of its own: it cannot cost the host less than the eager probe's trivial op, and its op runs a Triton kernel."""
+    eager = roofline.measure_launch_us("cuda", n=500, reps=5)
+    ours = roofline.measure_kernel_launch_us("cuda", n=500, reps=5)
+    assert ours > eager > 0, (ours, eager)
+    from model import ops
+    x = torch.ones(1, 8, device="cuda", dtype=torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ops.rmsnorm(x, torch.ones(8, device="cuda", dtype=torch.bfloat16), 1e-6)
+        torch.cuda.synchronize()
+    assert any(e.name == "_rmsnorm_kernel" for e in prof.events()), [e.name for e in prof.events()]
 
 
 # ---- timing ----------------------------------------------------------------------------------------
@@ -146,7 +162,7 @@ def test_bench_quick_end_to_end(records_dir):
         q = r["results"]
         assert r["verdict"] == "VALID", r["reasons"]
         assert r["preset"] == "tiny" and r["device"] == "cpu" and r["weights"].startswith("sha256:")
-        assert q["tok_s"] > 0 and q["hbm_gbps"] > 0 and q["host_launch_us"] > 0
+        assert q["tok_s"] > 0 and q["hbm_gbps"] > 0 and q["host_launch_us"] > 0 and q["host_kernel_launch_us"] > 0
         assert q["roofline_fraction"] == pytest.approx(q["tok_s"] / q["roofline_tok_s"])
         assert q["median_ms"] == pytest.approx(summarize(q["samples_ms"])["median_ms"])
         if r["params"]["peer"]:

@@ -111,23 +111,25 @@ def test_invalid_records_are_listed_and_kept_out_of_speed_plots(report, fixture_
 
 
 def test_speed_table_shows_the_host_probe_where_a_record_has_it(tmp_path):
-    """A launch-bound peer moves with the host; the speed table shows each run's host probe (`host_launch_us`),
-    and a dash for records made before it was measured."""
+    """A launch-bound peer moves with the host; the speed table shows each run's host probes (`host_launch_us`, and
+    `host_kernel_launch_us` where the record has it), and a dash for records made before they were measured."""
     records = tmp_path / "records"
     records.mkdir()
     shutil.copy(RECORDS / "bench.jsonl", records)
     ours = [r for r in load(root=records).records if r["kind"] == "bench" and r["verdict"] == "VALID"]
     probed = copy.deepcopy(max(ours, key=lambda r: r["time"]))
     probed["results"]["host_launch_us"] = 12.345
+    probed["results"]["host_kernel_launch_us"] = 80.0
     probed = make_record("bench", preset=probed["preset"], dtype=probed["dtype"], device=probed["device"],
                          weights=probed["weights"], params=probed["params"], results=probed["results"],
                          verdict="VALID", reasons=[])
     append(probed, root=records)
     speed = next(s for s in render.render(records, tmp_path / "out") if s.title == "Speed against context length")
     rows = [row for b in speed.blocks if isinstance(b, render.Table) for row in b.rows]
-    col = next(b for b in speed.blocks if isinstance(b, render.Table)).header.index("host us / eager launch")
+    col = next(b for b in speed.blocks if isinstance(b, render.Table)).header.index(
+        "host us / eager launch (/ one of our kernels)")
     mine = [row for row in rows if short(probed) in row]
-    assert len(mine) == 1 and mine[0][col] == "12.35"
+    assert len(mine) == 1 and mine[0][col] == "12.35 / 80.00"
     assert all(row[col] == "—" for row in rows if row not in mine)
 
 
