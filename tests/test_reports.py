@@ -133,6 +133,13 @@ def test_speed_table_shows_the_host_probe_where_a_record_has_it(tmp_path):
     assert all(row[col] == "—" for row in rows if row not in mine)
 
 
+def test_host_probe_cell_adds_our_kernels_probe_only_where_recorded():
+    assert render.host_probe_text({"results": {"host_launch_us": 7.531, "host_kernel_launch_us": 36.68}}) == \
+        "7.53 / 36.68"
+    assert render.host_probe_text({"results": {"host_launch_us": 9.37}}) == "9.37"   # records before the probe
+    assert render.host_probe_text({"results": {}}) == "—"
+
+
 def test_speed_table_shows_the_peers_spot_check(tmp_path):
     """Each peer's cell carries its spot check: the first greedy tokens agreeing with ours, and where they part the
     verdict at the first divergence (a near-tie reads differently from a real disagreement)."""
