@@ -156,22 +156,17 @@ def clock_note(new: dict, earlier: list[dict]) -> str:
     return note
 
 
-def host_paced_text(results: dict, prefix: str = "") -> str:
-    """A record's host pacing as text, "host-paced n/total" (`benchmarks.timing.Samples.host_paced` over its
-    `host_ms`), or "" where the record has none (decode steps, CPU runs, records older than the fields); `prefix`
-    "peer_" reads the peer's. The one wording of it: this module's message and the report's speed table use it."""
-    n, host = results.get(f"{prefix}host_paced"), results.get(f"{prefix}host_ms")
+def pacing_note(r: dict, prefix: str = "") -> str:
+    """How many of a record's timed calls the host paced, "; host-paced n/total" (`results.host_paced` over
+    `results.host_ms`, prefill records since 166f6c1, `benchmarks.timing.Samples.host_paced`), or "" where the record
+    has none (decode steps, CPU runs, older records); `prefix` "peer_" reads the peer's. The one wording of it: this
+    module's message and the report's speed table use it. A note, not a verdict: it says the host set the pace of
+    those calls, not whether the host's CPU or our own host-side code got slower; the host probe tells those apart."""
+    res = r.get("results") or {}
+    n, host = res.get(f"{prefix}host_paced"), res.get(f"{prefix}host_ms")
     if not isinstance(n, int) or not isinstance(host, list):
         return ""
-    return f"host-paced {n}/{len(host)}"
-
-
-def pacing_note(new: dict) -> str:
-    """How many of the new run's timed calls the host paced (`host_paced_text`, prefill records since 166f6c1): a
-    note, not a verdict. It says the host set the pace of those calls, not whether the host's CPU or our own
-    host-side code got slower; the host probe above tells those apart."""
-    text = host_paced_text(new.get("results") or {})
-    return f"; {text}" if text else ""
+    return f"; host-paced {n}/{len(host)}"
 
 
 def check_latest(records: list[dict], k: int = HISTORY_RUNS) -> list[Regression]:

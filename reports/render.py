@@ -268,7 +268,7 @@ def speed_section(bench: list[dict], out: Path) -> Section:
              "peers (tok/s; decode by median step; record; first greedy tokens agreeing with ours; GPU clock)"],
             [[str(get(r, "params.context")), series_label(r), fmt(get(r, "results.tok_s")),
               fmt(get(r, "results.roofline_fraction"), ".1%"), host_probe_text(r),
-              clock_text(get(r, "results.clocks")) + paced_text(r), short_id(r),
+              clock_text(get(r, "results.clocks")) + regress.pacing_note(r), short_id(r),
               ", ".join(f"{get(p, 'results.peer')} {fmt(peer_rate(p))} ({short_id(p)}{spot_text(p)}{peer_clock(p)})"
                         for (cfg, _), p in sorted(peers.items(), key=lambda kv: str(kv[0])) if cfg == key) or "—"]
              for key, r in sorted(ours.items(), key=lambda kv: config_order(kv[0]))], cite(used)))
@@ -291,16 +291,10 @@ def clock_text(c: dict | None) -> str:
     return f"{c['sm_mhz_mean']:,.0f}{top} MHz; cap {c['power_cap_share']:.0%}"
 
 
-def paced_text(r: dict, prefix: str = "") -> str:
-    """`regress.host_paced_text` for a table cell, after a separator; empty where not measured."""
-    text = regress.host_paced_text(r.get("results") or {}, prefix)
-    return f"; {text}" if text else ""
-
-
 def peer_clock(r: dict) -> str:
     """A peer's clocks for its table cell (`clock_text`), after a separator; empty where none were sampled."""
     c = get(r, "results.peer_clocks")
-    return (f"; {clock_text(c)}" if c else "") + paced_text(r, "peer_")
+    return (f"; {clock_text(c)}" if c else "") + regress.pacing_note(r, "peer_")
 
 
 def spot_text(r: dict) -> str:

@@ -422,7 +422,8 @@ def test_clock_text_says_how_far_under_its_maximum_the_gpu_ran():
 
 
 def test_paced_text_says_how_many_timed_calls_the_host_paced():
-    from reports.render import paced_text, peer_clock
+    from reports.render import peer_clock
+    from reports.regress import pacing_note as paced_text
     r = {"results": {"host_ms": [40.0, 72.6, 76.5], "host_paced": 2, "peer_host_ms": [30.0], "peer_host_paced": 0}}
     assert paced_text(r) == "; host-paced 2/3"
     assert peer_clock(r) == "; host-paced 0/1"          # no peer clocks in this record, only its pacing
