@@ -7,11 +7,14 @@ the model runs it.
         [--rounds 8] [--preset 48b-a3b] [--device cuda]
 
 A variant is NAME=MODULE:JSON: keys of `model.triton.MODULE.CONFIG` to change (a dict value changes only the
-keys it names; lists become tuples). Each round runs the defaults and every variant once, in an order rotated
+keys it names; lists become tuples), or of a dotted module's CONFIG: `'thread=benchmarks.timing:{"clocks":
+"thread"}'` samples the clocks on a thread of this process rather than in a child process, and `{"clocks": "off"}`
+not at all, which times the sampler's own cost to the host (`benchmarks.gpu_clocks`). Each round runs the defaults and every variant once, in an order rotated
 from round to round, each call a whole `model.prefill` of the same random prompt into a fresh cache, timed by
 CUDA events from an idle device to its end (`benchmarks.timing.time_calls`); one untimed call of each first
 (kernel compilation). One `kernel` record per variant and length: `results.ours_ms` the variant's median,
-`results.peer_ms` the defaults' median in the same rounds (`results.peer` = "defaults"), the per-round ratios
+`results.peer_ms` the defaults' median in the same rounds (`results.peer` = "defaults"), the host's time inside
+each call and how many calls it paced (`results.host_ms`, `host_paced`; `peer_` the defaults'), the per-round ratios
 variant/defaults (`results.paired_ratio_median`: rounds pair calls that ran seconds apart, so a drift of the
 machine cancels), and the variant's last-position logits against the defaults' (relative RMS error, the same
 argmax, the same bits). Each timed call also samples the GPU's clocks through NVML (`benchmarks.timing`,
@@ -31,7 +34,7 @@ import torch
 
 import model.triton as mt
 from benchmarks.cli import ints
-from benchmarks.timing import log, summarize, time_calls
+from benchmarks.timing import Samples, log, summarize, time_calls
 
 # Launch configs change summation orders at most (the grouped MoE kernels keep torch's bits exactly); a wrong
 # tile or expert moves bf16 logits by order 1.
@@ -60,11 +63,19 @@ def _tuples(v):
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
+def config_module(module: str) -> str:
+    """A variant's module by its full name: a bare name is one of `model.triton`'s kernel modules."""
+    return module if "." in module else f"model.triton.{module}"
+
+
 def changed_config(module: str, changes: dict) -> tuple[dict, dict]:
-    """(`model.triton.<module>.CONFIG`, that CONFIG with `changes`, merged as `model.triton.launch_config` merges a
-    sweep's overrides); an unknown module (ImportError) or key (KeyError) is an error, before anything runs."""
-    cfg = importlib.import_module(f"model.triton.{module}").CONFIG
-    return cfg, mt.launch_config(f"model.triton.{module}.CONFIG", cfg, _tuples(changes))
+    """(`<module>.CONFIG` (`config_module`), that CONFIG with `changes`, merged as `model.triton.launch_config` merges
+    a sweep's overrides); an unknown module (ImportError) or key (KeyError) is an error, before anything runs."""
+    name = config_module(module)
+    cfg = getattr(importlib.import_module(name), "CONFIG", None)
+    if not isinstance(cfg, dict):
+        raise KeyError(f"{name} has no CONFIG dict to vary")
+    return cfg, mt.launch_config(f"{name}.CONFIG", cfg, _tuples(changes))
 
 
 @contextlib.contextmanager
@@ -126,15 +137,17 @@ def ab_case(model, T: int, variants: list[tuple[str, str, dict]], rounds: int, d
             s = time_calls(lambda: held.__setitem__("logits", model.prefill(ids, held["cache"])), 1, device,
                            setup=fresh_cache)
         out[name]["logits"] = held["logits"].float().cpu()
-        return s.samples_ms[0], s.clocks
+        return s.samples_ms[0], s.clocks, (s.host_ms or [None])[0]
 
     for arm in arms:  # untimed: compilation
         call(arm)
     for r in range(rounds):
         k = r % len(arms)
         for arm in arms[k:] + arms[:k]:
-            ms, clocks = call(arm)
+            ms, clocks, host = call(arm)
             out[arm[0]]["samples"].append(ms)
+            if host is not None:
+                out[arm[0]].setdefault("host_ms", []).append(host)
             if clocks:
                 out[arm[0]].setdefault("clocks", []).append(clocks)
         log(f"  T={T} round {r + 1}/{rounds}: " + ", ".join(f"{n} {v['samples'][-1]:.1f} ms" for n, v in out.items()))
@@ -160,6 +173,11 @@ def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) 
         for side, arm in (("ours", v), ("peer", base)):
             if arm.get("clocks"):
                 results[f"clocks_{side}"] = mean_clocks(arm["clocks"])
+            if arm.get("host_ms"):
+                pre = "" if side == "ours" else "peer_"
+                results[f"{pre}host_ms"] = arm["host_ms"]
+                results[f"{pre}host_paced"] = Samples(arm["samples"], sum(arm["samples"]), None,
+                                                      arm["host_ms"]).host_paced()
         params = {"op": "prefill_ab", "variant": name, "T": T, "B": 1, "module": module, "changes": changes,
                   "rounds": len(v["samples"]), **model_desc}
         rec = make_record("kernel", preset=model_desc["preset"], dtype=model_desc["model_dtype"], device=device_name,
@@ -173,7 +191,9 @@ def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) 
             f"{cmp['same_bits']}: {rec['verdict']}" + "".join(
                 f"; {side} SM {c['sm_mhz_mean']:.0f} MHz, {c['power_w_mean']:.0f} W, power cap in "
                 f"{c['power_cap_share']:.0%} of samples" for side in ("ours", "peer")
-                if (c := results.get(f"clocks_{side}"))))
+                if (c := results.get(f"clocks_{side}"))) + "".join(
+                f"; {side} host median {statistics.median(h):.1f} ms, paced {results[pre + 'host_paced']}/{len(h)}"
+                for side, pre in (("ours", ""), ("peer", "peer_")) if (h := results.get(pre + "host_ms"))))
     return recs
 
 

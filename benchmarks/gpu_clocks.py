@@ -1,20 +1,42 @@
-"""What the GPU's clocks did while a benchmark ran: NVML read by a sampling thread (SM clock, board power, and
-the reasons the driver gives for holding the clocks down), so that a timing can say whether it ran at full clock
-or under the power cap. A kernel that wins alone can lose that win inside a power-capped workload: faster
-kernels draw more power, and the driver lowers the clock of everything around them.
+"""What the GPU's clocks did while a benchmark ran: NVML's SM clock, board power and the reasons the driver gives
+for holding the clocks down, sampled every few ms, and the driver's own count of the time spent under the power
+cap, read before and after; so that a timing can say whether it ran at full clock or under the power cap. A
+kernel that wins alone can lose that win inside a power-capped workload: faster kernels draw more power, and the
+driver lowers the clock of everything around them.
 
     with ClockSampler(device_index) as s:
         run()
-    s.summary()  # {"samples": n, "sm_mhz_mean": ..., "power_cap_share": ..., ...}, or None without NVML
+    s.summary()  # {"samples": n, "sm_mhz_mean": ..., "power_cap_share": ..., "power_capped_s": ...}, or None
 
-NVML's board power on Hopper is averaged by the driver over a window (tens of ms to ~1 s), so `power_w_*`
-lag a short call; the SM clock and the reason flags are read as they stand at each sample. The board's energy
-counter (`nvmlDeviceGetTotalEnergyConsumption`) is not read: over single calls of 0.05 to 0.6 s it gave figures
-above the power cap (117 J over a 137 ms prefill would be 855 W against a 700 W cap; erratum in records/), so its
-updates are too coarse for these windows.
+Where the sampling runs (`where`):
+- "process" (the default): a child process (`python benchmarks/gpu_clocks.py --serve`, one per device and
+  interval, started on first use and kept for the parent's life) samples between a "start" and a "stop" line on
+  its stdin. The timed process only writes those two lines, outside the timed region, so the sampler takes none
+  of its interpreter's time. A sampling thread can: each of its NVML reads gives up the GIL and takes it back,
+  and an eager 1k prefill, whose host keeps only a few ms ahead of the GPU, may have to win the GIL back from it
+  (README, "Reading a prefill record"). `benchmarks.bench_ab` times the two against no sampler.
+- "thread": the same reads on a thread of the timed process (how every record before this module's change was
+  sampled); kept for that A/B.
+- "off": nothing read; `summary()` is None.
+
+The power-cap time (`power_capped_s`, from `nvmlDeviceGetViolationStatus` with the power policy) is the driver's
+cumulative counter, so it needs no sampling: its difference over the block is the time the board spent under its
+power limit, to the ns. The sampled `power_cap_share` is the share of samples that carried the SwPowerCap reason.
+NVML's board power on Hopper is averaged by the driver over a window (tens of ms to ~1 s), so `power_w_*` lag a
+short call; the SM clock and the reason flags are read as they stand at each sample. The board's energy counter
+(`nvmlDeviceGetTotalEnergyConsumption`) is not read: over single calls of 0.05 to 0.6 s it gave figures above the
+power cap (117 J over a 137 ms prefill would be 855 W against a 700 W cap; erratum in records/), so its updates
+are too coarse for these windows. Nor is the mean SM clock read without sampling: on the H200's driver NVML
+keeps no SM-clock sample buffer (`nvmlDeviceGetSamples` answers "Not Found").
 """
 from __future__ import annotations
 
+import atexit
+import json
+import os
+import select
+import subprocess
+import sys
 import threading
 import time
 
@@ -24,63 +46,187 @@ HW_SLOWDOWN = 0x8         # HwSlowdown: power brake or thermal, in hardware
 THERMAL = 0x20 | 0x40     # SwThermalSlowdown | HwThermalSlowdown
 POWER_BRAKE = 0x80        # HwPowerBrakeSlowdown
 
+WHERE = ("process", "thread", "off")
 
-class ClockSampler:
-    """Samples NVML every `interval_s` on a thread between __enter__ and __exit__. Without NVML (no driver, a CPU
-    run) it records nothing and `summary()` is None: the caller's timing stands without the clock note."""
 
-    def __init__(self, device_index: int = 0, interval_s: float = 0.002):
-        self.interval_s = interval_s
-        self.rows: list[tuple[float, float, int]] = []  # (sm MHz, power W, reason bits)
-        self.limits: dict = {}
-        self._stop = threading.Event()
-        self._thread = None
-        self._nvml = self._handle = None
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index)
-            self.limits = {"sm_mhz_max": float(pynvml.nvmlDeviceGetMaxClockInfo(self._handle, pynvml.NVML_CLOCK_SM)),
-                           "power_limit_w": pynvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1000.0}
-        except Exception:  # no NVML here (CPU machine, no driver): sample nothing
-            self._nvml = None
+class Nvml:
+    """The NVML reads, for one device: `limits`, one sample (`read`), the power-cap time counter (`capped_s`).
+    Raises when NVML or the device is not there (a CPU machine, no driver)."""
 
-    def _read(self) -> tuple[float, float, int]:
-        n, h = self._nvml, self._handle
+    def __init__(self, device_index: int):
+        import pynvml
+        pynvml.nvmlInit()
+        self.n, self.h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        self.limits = {"sm_mhz_max": float(pynvml.nvmlDeviceGetMaxClockInfo(self.h, pynvml.NVML_CLOCK_SM)),
+                       "power_limit_w": pynvml.nvmlDeviceGetEnforcedPowerLimit(self.h) / 1000.0}
+
+    def read(self) -> tuple[float, float, int]:
+        n, h = self.n, self.h
         return (float(n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)), n.nvmlDeviceGetPowerUsage(h) / 1000.0,
                 int(n.nvmlDeviceGetCurrentClocksEventReasons(h)))
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def capped_s(self) -> float:
+        """Seconds the board has spent under its power limit, cumulative (the counter is in ns)."""
+        return self.n.nvmlDeviceGetViolationStatus(self.h, self.n.NVML_PERF_POLICY_POWER).violationTime / 1e9
+
+
+def sample_until(read, interval_s: float, stop) -> list:
+    """read() every interval_s until stop(interval_s) says so (stop waits up to that long); a failed read is a
+    missing sample, not a failed benchmark."""
+    rows = []
+    while True:
+        try:
+            rows.append(read())
+        except Exception:
+            pass
+        if stop(interval_s):
+            return rows
+
+
+def serve(nvml, interval_s: float, inp, out) -> None:
+    """The child's side (`where="process"`): its first line on `out` is the limits (JSON), or {"error": ...}
+    without NVML, after which it exits. Then for each "start" line on `inp`: the counter read, "ok", samples until
+    a "stop" line, and one JSON line {"rows", "power_capped_s"}. Exits at the end of `inp`."""
+    if isinstance(nvml, Exception):
+        out.write(json.dumps({"error": f"{type(nvml).__name__}: {nvml}"}) + "\n")
+        out.flush()
+        return
+    out.write(json.dumps(nvml.limits) + "\n")
+    out.flush()
+    fd = inp.fileno()
+
+    def stop(timeout):  # a line ("stop") has come
+        if not select.select([fd], [], [], timeout)[0]:
+            return False
+        inp.readline()
+        return True
+
+    for line in iter(inp.readline, ""):
+        if line.strip() != "start":
+            continue
+        c0 = nvml.capped_s()
+        out.write("ok\n")
+        out.flush()
+        rows = sample_until(nvml.read, interval_s, stop)
+        out.write(json.dumps({"rows": rows, "power_capped_s": nvml.capped_s() - c0}) + "\n")
+        out.flush()
+
+
+class _Server:
+    """A running `serve` child for one (device, interval); the parent talks to it line by line."""
+
+    def __init__(self, device_index: int, interval_s: float):
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", str(device_index),
+                                      repr(interval_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     bufsize=1)
+        hello = json.loads(self.proc.stdout.readline() or '{"error": "the sampler process exited"}')
+        self.error = hello.get("error")
+        self.limits = {} if self.error else hello
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError("the clock sampler process exited")
+        return reply
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+
+
+_SERVERS: dict[tuple[int, float], _Server] = {}
+
+
+def _server(device_index: int, interval_s: float) -> _Server:
+    key = (device_index, interval_s)
+    if key not in _SERVERS:
+        _SERVERS[key] = _Server(device_index, interval_s)
+    return _SERVERS[key]
+
+
+@atexit.register
+def _close_servers() -> None:
+    for s in _SERVERS.values():
+        s.close()
+    _SERVERS.clear()
+
+
+class ClockSampler:
+    """Samples NVML every `interval_s` between __enter__ and __exit__, in a child process or on a thread
+    (`where`, see the module docstring). Without NVML (no driver, a CPU run) it records nothing and `summary()`
+    is None: the caller's timing stands without the clock note."""
+
+    def __init__(self, device_index: int = 0, interval_s: float = 0.002, where: str = "process"):
+        if where not in WHERE:
+            raise ValueError(f"ClockSampler: where must be one of {WHERE}, got {where!r}")
+        self.interval_s, self.where = interval_s, where
+        self.rows: list[tuple[float, float, int]] = []  # (sm MHz, power W, reason bits)
+        self.limits: dict = {}
+        self.capped_s: float | None = None  # time under the power cap inside the block (the driver's counter)
+        self._nvml = self._server = self._thread = None
+        self._stop = threading.Event()
+        if where == "process":
+            server = _server(device_index, interval_s)
+            if server.error is None:
+                self._server, self.limits = server, server.limits
+        elif where == "thread":
             try:
-                self.rows.append(self._read())
-            except Exception:  # a failed read is a missing sample, not a failed benchmark
-                pass
-            time.sleep(self.interval_s)
+                self._nvml = Nvml(device_index)
+                self.limits = self._nvml.limits
+            except Exception:  # no NVML here (CPU machine, no driver): sample nothing
+                self._nvml = None
 
     def __enter__(self) -> "ClockSampler":
-        if self._nvml is not None:
+        if self._server is not None:
+            self._server.ask("start")
+        elif self._nvml is not None:
+            self._c0 = self._nvml.capped_s()
             self._thread = threading.Thread(target=self._run, name="clock-sampler", daemon=True)
             self._thread.start()
         return self
 
+    def _run(self) -> None:
+        self.rows = sample_until(self._nvml.read, self.interval_s, self._stop.wait)
+
     def __exit__(self, *exc) -> None:
-        if self._thread is not None:
+        if self._server is not None:
+            got = json.loads(self._server.ask("stop"))
+            self.rows, self.capped_s = [tuple(r) for r in got["rows"]], got["power_capped_s"]
+        elif self._thread is not None:
             self._stop.set()
             self._thread.join()
+            self.capped_s = self._nvml.capped_s() - self._c0
 
     def summary(self) -> dict | None:
-        return summarize_clocks(self.rows, self.limits) if self.rows else None
+        return summarize_clocks(self.rows, self.limits, self.capped_s, self.where) if self.rows else None
 
 
-def summarize_clocks(rows: list[tuple[float, float, int]], limits: dict) -> dict:
-    """Means and extremes of the samples, and the share of samples that carried each slowdown reason."""
+def summarize_clocks(rows: list[tuple[float, float, int]], limits: dict, capped_s: float | None = None,
+                     sampler: str | None = None) -> dict:
+    """Means and extremes of the samples, the share of samples that carried each slowdown reason, (where read) the
+    seconds under the power cap by the driver's counter, and where the samples were taken (`WHERE`)."""
     mhz = [r[0] for r in rows]
     watts = [r[1] for r in rows]
 
     def share(bits):
         return sum(1 for r in rows if r[2] & bits) / len(rows)
-    return {"samples": len(rows), "sm_mhz_mean": sum(mhz) / len(mhz), "sm_mhz_min": min(mhz),
-            "power_w_mean": sum(watts) / len(watts), "power_w_max": max(watts),
-            "power_cap_share": share(POWER_CAP), "hw_slowdown_share": share(HW_SLOWDOWN | POWER_BRAKE),
-            "thermal_share": share(THERMAL), **limits}
+    out = {"samples": len(rows), "sm_mhz_mean": sum(mhz) / len(mhz), "sm_mhz_min": min(mhz),
+           "power_w_mean": sum(watts) / len(watts), "power_w_max": max(watts),
+           "power_cap_share": share(POWER_CAP), "hw_slowdown_share": share(HW_SLOWDOWN | POWER_BRAKE),
+           "thermal_share": share(THERMAL), **limits}
+    if capped_s is not None:
+        out["power_capped_s"] = capped_s
+    if sampler is not None:
+        out["sampler"] = sampler
+    return out
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
+    try:
+        _nvml = Nvml(int(sys.argv[2]))
+    except Exception as e:  # no NVML here: say so and exit
+        _nvml = e
+    serve(_nvml, float(sys.argv[3]), sys.stdin, sys.stdout)

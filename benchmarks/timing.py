@@ -75,11 +75,22 @@ def summarize(samples_ms: list[float]) -> dict:
 
 
 HOST_PACED = 0.95  # `Samples.host_paced`: host time / GPU time at or above which a call counts as host-paced
-CLOCK_INTERVAL_S = 0.01  # NVML sampling period while calls are timed; ctypes lets the GIL go during each read
+CLOCK_INTERVAL_S = 0.01  # NVML sampling period while calls are timed
+# Where the clocks are sampled (`benchmarks.gpu_clocks.WHERE`): in a child process, so that the timed process spends
+# none of its time on it; `benchmarks.bench_ab` can time "thread" and "off" against it (a variant of this CONFIG).
+CONFIG = dict(clocks="process")
 
 
 def clock_sampler(device) -> ClockSampler:
-    return ClockSampler(torch.device(device).index or 0, CLOCK_INTERVAL_S)
+    return ClockSampler(torch.device(device).index or 0, CLOCK_INTERVAL_S, CONFIG["clocks"])
+
+
+def with_capped_share(clocks: dict | None, gpu_ms: float) -> dict | None:
+    """The clock summary with `power_capped_time_share`: the driver's power-cap time over the GPU time of the
+    timed calls (the device is idle, so uncapped, around them), where the counter was read."""
+    if clocks is None or clocks.get("power_capped_s") is None:
+        return clocks
+    return {**clocks, "power_capped_time_share": clocks["power_capped_s"] / (gpu_ms / 1000.0)}
 
 
 def time_steps(step: Callable[[], object], n: int, device) -> Samples:
@@ -96,8 +107,9 @@ def time_steps(step: Callable[[], object], n: int, device) -> Samples:
                 step()
                 e.record()
             ends[-1].synchronize()
-        return Samples([s.elapsed_time(e) for s, e in zip(starts, ends)], starts[0].elapsed_time(ends[-1]),
-                       clocks.summary())
+        total = starts[0].elapsed_time(ends[-1])
+        return Samples([s.elapsed_time(e) for s, e in zip(starts, ends)], total,
+                       with_capped_share(clocks.summary(), total))
     stamps = [time.perf_counter()]
     for _ in range(n):
         step()
@@ -111,7 +123,7 @@ def time_calls(fn: Callable[[], object], reps: int, device, setup: Callable[[], 
     each call (e.g. a fresh cache for a prefill)."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
-    ms, host, rows, limits = [], [], [], {}
+    ms, host, rows, limits, capped, where = [], [], [], {}, [], None
     for _ in range(reps):
         if setup is not None:
             setup()
@@ -128,8 +140,12 @@ def time_calls(fn: Callable[[], object], reps: int, device, setup: Callable[[], 
             ms.append(s.elapsed_time(e))
             rows += clocks.rows
             limits = clocks.limits
+            capped.append(clocks.capped_s)
+            where = clocks.where
         else:
             t = time.perf_counter()
             fn()
             ms.append(1000.0 * (time.perf_counter() - t))
-    return Samples(ms, float(sum(ms)), summarize_clocks(rows, limits) if rows else None, host or None)
+    capped_s = sum(capped) if capped and None not in capped else None
+    clocks = with_capped_share(summarize_clocks(rows, limits, capped_s, where), sum(ms)) if rows else None
+    return Samples(ms, float(sum(ms)), clocks, host or None)
