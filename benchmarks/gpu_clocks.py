@@ -1,12 +1,12 @@
 """What the GPU's clocks did while a benchmark ran: NVML's SM clock, board power and the reasons the driver gives
-for holding the clocks down, sampled every few ms, and the driver's own count of the time spent under the power
-cap, read before and after; so that a timing can say whether it ran at full clock or under the power cap. A
+for holding the clocks down, sampled every few ms, so that a timing can say whether it ran at full clock or under
+the power cap. A
 kernel that wins alone can lose that win inside a power-capped workload: faster kernels draw more power, and the
 driver lowers the clock of everything around them.
 
     with ClockSampler(device_index) as s:
         run()
-    s.summary()  # {"samples": n, "sm_mhz_mean": ..., "power_cap_share": ..., "power_capped_s": ...}, or None
+    s.summary()  # {"samples": n, "sm_mhz_mean": ..., "power_cap_share": ..., "sampler": ...}, or None
 
 Where the sampling runs (`where`):
 - "process" (the default): a child process (`python benchmarks/gpu_clocks.py --serve`, one per device and
@@ -19,15 +19,15 @@ Where the sampling runs (`where`):
   sampled); kept for that A/B.
 - "off": nothing read; `summary()` is None.
 
-The power-cap time (`power_capped_s`, from `nvmlDeviceGetViolationStatus` with the power policy) is the driver's
-cumulative counter, so it needs no sampling: its difference over the block is the time the board spent under its
-power limit, to the ns. The sampled `power_cap_share` is the share of samples that carried the SwPowerCap reason.
-NVML's board power on Hopper is averaged by the driver over a window (tens of ms to ~1 s), so `power_w_*` lag a
-short call; the SM clock and the reason flags are read as they stand at each sample. The board's energy counter
-(`nvmlDeviceGetTotalEnergyConsumption`) is not read: over single calls of 0.05 to 0.6 s it gave figures above the
-power cap (117 J over a 137 ms prefill would be 855 W against a 700 W cap; erratum in records/), so its updates
-are too coarse for these windows. Nor is the mean SM clock read without sampling: on the H200's driver NVML
-keeps no SM-clock sample buffer (`nvmlDeviceGetSamples` answers "Not Found").
+`power_cap_share` is the share of samples that carried the SwPowerCap reason. NVML's board power on Hopper is
+averaged by the driver over a window (tens of ms to ~1 s), so `power_w_*` lag a short call; the SM clock and the
+reason flags are read as they stand at each sample. Two driver counters that would need no sampling are too coarse
+for single calls of 0.05 to 0.6 s, and are not read (errata in records/): the board's energy
+(`nvmlDeviceGetTotalEnergyConsumption`) gave 117 J over a 137 ms prefill, 855 W on a 700 W board; the time under
+the power cap (`nvmlDeviceGetViolationStatus`, power policy) gave 108% of an 8k prefill's GPU time, and 100% of a
+1k prefill's whose samples carried the cap in 38% at a 1,974 MHz mean (run c9a2b3d32cf8). Nor is the mean SM clock
+read without sampling: on the H200's driver NVML keeps no SM-clock sample buffer (`nvmlDeviceGetSamples` answers
+"Not Found").
 """
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ WHERE = ("process", "thread", "off")
 
 
 class Nvml:
-    """The NVML reads, for one device: `limits`, one sample (`read`), the power-cap time counter (`capped_s`).
-    Raises when NVML or the device is not there (a CPU machine, no driver)."""
+    """The NVML reads, for one device: `limits` and one sample (`read`). Raises when NVML or the device is not
+    there (a CPU machine, no driver)."""
 
     def __init__(self, device_index: int):
         import pynvml
@@ -64,10 +64,6 @@ class Nvml:
         n, h = self.n, self.h
         return (float(n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)), n.nvmlDeviceGetPowerUsage(h) / 1000.0,
                 int(n.nvmlDeviceGetCurrentClocksEventReasons(h)))
-
-    def capped_s(self) -> float:
-        """Seconds the board has spent under its power limit, cumulative (the counter is in ns)."""
-        return self.n.nvmlDeviceGetViolationStatus(self.h, self.n.NVML_PERF_POLICY_POWER).violationTime / 1e9
 
 
 def sample_until(read, interval_s: float, stop) -> list:
@@ -85,8 +81,8 @@ def sample_until(read, interval_s: float, stop) -> list:
 
 def serve(nvml, interval_s: float, inp, out) -> None:
     """The child's side (`where="process"`): its first line on `out` is the limits (JSON), or {"error": ...}
-    without NVML, after which it exits. Then for each "start" line on `inp`: the counter read, "ok", samples until
-    a "stop" line, and one JSON line {"rows", "power_capped_s"}. Exits at the end of `inp`."""
+    without NVML, after which it exits. Then for each "start" line on `inp`: "ok", samples until a "stop" line,
+    and one JSON line {"rows"}. Exits at the end of `inp`."""
     if isinstance(nvml, Exception):
         out.write(json.dumps({"error": f"{type(nvml).__name__}: {nvml}"}) + "\n")
         out.flush()
@@ -104,11 +100,9 @@ def serve(nvml, interval_s: float, inp, out) -> None:
     for line in iter(inp.readline, ""):
         if line.strip() != "start":
             continue
-        c0 = nvml.capped_s()
         out.write("ok\n")
         out.flush()
-        rows = sample_until(nvml.read, interval_s, stop)
-        out.write(json.dumps({"rows": rows, "power_capped_s": nvml.capped_s() - c0}) + "\n")
+        out.write(json.dumps({"rows": sample_until(nvml.read, interval_s, stop)}) + "\n")
         out.flush()
 
 
@@ -165,7 +159,6 @@ class ClockSampler:
         self.interval_s, self.where = interval_s, where
         self.rows: list[tuple[float, float, int]] = []  # (sm MHz, power W, reason bits)
         self.limits: dict = {}
-        self.capped_s: float | None = None  # time under the power cap inside the block (the driver's counter)
         self._nvml = self._server = self._thread = None
         self._stop = threading.Event()
         if where == "process":
@@ -183,7 +176,6 @@ class ClockSampler:
         if self._server is not None:
             self._server.ask("start")
         elif self._nvml is not None:
-            self._c0 = self._nvml.capped_s()
             self._thread = threading.Thread(target=self._run, name="clock-sampler", daemon=True)
             self._thread.start()
         return self
@@ -193,21 +185,18 @@ class ClockSampler:
 
     def __exit__(self, *exc) -> None:
         if self._server is not None:
-            got = json.loads(self._server.ask("stop"))
-            self.rows, self.capped_s = [tuple(r) for r in got["rows"]], got["power_capped_s"]
+            self.rows = [tuple(r) for r in json.loads(self._server.ask("stop"))["rows"]]
         elif self._thread is not None:
             self._stop.set()
             self._thread.join()
-            self.capped_s = self._nvml.capped_s() - self._c0
 
     def summary(self) -> dict | None:
-        return summarize_clocks(self.rows, self.limits, self.capped_s, self.where) if self.rows else None
+        return summarize_clocks(self.rows, self.limits, self.where) if self.rows else None
 
 
-def summarize_clocks(rows: list[tuple[float, float, int]], limits: dict, capped_s: float | None = None,
-                     sampler: str | None = None) -> dict:
-    """Means and extremes of the samples, the share of samples that carried each slowdown reason, (where read) the
-    seconds under the power cap by the driver's counter, and where the samples were taken (`WHERE`)."""
+def summarize_clocks(rows: list[tuple[float, float, int]], limits: dict, sampler: str | None = None) -> dict:
+    """Means and extremes of the samples, the share of samples that carried each slowdown reason, and where the
+    samples were taken (`WHERE`)."""
     mhz = [r[0] for r in rows]
     watts = [r[1] for r in rows]
 
@@ -217,8 +206,6 @@ def summarize_clocks(rows: list[tuple[float, float, int]], limits: dict, capped_
            "power_w_mean": sum(watts) / len(watts), "power_w_max": max(watts),
            "power_cap_share": share(POWER_CAP), "hw_slowdown_share": share(HW_SLOWDOWN | POWER_BRAKE),
            "thermal_share": share(THERMAL), **limits}
-    if capped_s is not None:
-        out["power_capped_s"] = capped_s
     if sampler is not None:
         out["sampler"] = sampler
     return out

@@ -85,13 +85,6 @@ def clock_sampler(device) -> ClockSampler:
     return ClockSampler(torch.device(device).index or 0, CLOCK_INTERVAL_S, CONFIG["clocks"])
 
 
-def with_capped_share(clocks: dict | None, gpu_ms: float) -> dict | None:
-    """The clock summary with `power_capped_time_share`: the driver's power-cap time over the GPU time of the
-    timed calls (the device is idle, so uncapped, around them), where the counter was read."""
-    if clocks is None or clocks.get("power_capped_s") is None:
-        return clocks
-    return {**clocks, "power_capped_time_share": clocks["power_capped_s"] / (gpu_ms / 1000.0)}
-
 
 def time_steps(step: Callable[[], object], n: int, device) -> Samples:
     """Run `step()` n times back to back and time each call. On CUDA nothing waits for the GPU between
@@ -107,9 +100,8 @@ def time_steps(step: Callable[[], object], n: int, device) -> Samples:
                 step()
                 e.record()
             ends[-1].synchronize()
-        total = starts[0].elapsed_time(ends[-1])
-        return Samples([s.elapsed_time(e) for s, e in zip(starts, ends)], total,
-                       with_capped_share(clocks.summary(), total))
+        return Samples([s.elapsed_time(e) for s, e in zip(starts, ends)], starts[0].elapsed_time(ends[-1]),
+                       clocks.summary())
     stamps = [time.perf_counter()]
     for _ in range(n):
         step()
@@ -123,7 +115,7 @@ def time_calls(fn: Callable[[], object], reps: int, device, setup: Callable[[], 
     each call (e.g. a fresh cache for a prefill)."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
-    ms, host, rows, limits, capped, where = [], [], [], {}, [], None
+    ms, host, rows, limits, where = [], [], [], {}, None
     for _ in range(reps):
         if setup is not None:
             setup()
@@ -140,12 +132,9 @@ def time_calls(fn: Callable[[], object], reps: int, device, setup: Callable[[], 
             ms.append(s.elapsed_time(e))
             rows += clocks.rows
             limits = clocks.limits
-            capped.append(clocks.capped_s)
             where = clocks.where
         else:
             t = time.perf_counter()
             fn()
             ms.append(1000.0 * (time.perf_counter() - t))
-    capped_s = sum(capped) if capped and None not in capped else None
-    clocks = with_capped_share(summarize_clocks(rows, limits, capped_s, where), sum(ms)) if rows else None
-    return Samples(ms, float(sum(ms)), clocks, host or None)
+    return Samples(ms, float(sum(ms)), summarize_clocks(rows, limits, where) if rows else None, host or None)

@@ -284,14 +284,11 @@ def host_probe_text(r: dict) -> str:
 
 def clock_text(c: dict | None) -> str:
     """The GPU's clocks over a timed run (`benchmarks.gpu_clocks`) for a table cell: mean SM clock against its
-    maximum, the share of samples the driver held under the power cap, and (runs since the counter was read) the
-    share of the GPU time under the cap by the driver's own counter."""
+    maximum, and the share of samples the driver held under the power cap."""
     if not isinstance(c, dict) or "sm_mhz_mean" not in c:
         return "—"
     top = f" of {c['sm_mhz_max']:,.0f}" if c.get("sm_mhz_max") else ""
-    t = c.get("power_capped_time_share")
-    counter = "" if t is None else f" (counter: {t:.0%} of the time)"
-    return f"{c['sm_mhz_mean']:,.0f}{top} MHz; cap {c['power_cap_share']:.0%}{counter}"
+    return f"{c['sm_mhz_mean']:,.0f}{top} MHz; cap {c['power_cap_share']:.0%}"
 
 
 def peer_clock(r: dict) -> str:

@@ -419,8 +419,6 @@ def test_clock_text_says_how_far_under_its_maximum_the_gpu_ran():
     assert clock_text(c) == "1,703 of 1,980 MHz; cap 100%"
     assert clock_text({"sm_mhz_mean": 1500.0, "power_cap_share": 0.25}) == "1,500 MHz; cap 25%"
     assert clock_text(None) == clock_text({}) == "—"  # records from before the clocks were sampled
-    assert (clock_text({**c, "power_capped_time_share": 0.874})
-            == "1,703 of 1,980 MHz; cap 100% (counter: 87% of the time)")
 
 
 def test_paced_text_says_how_many_timed_calls_the_host_paced():
