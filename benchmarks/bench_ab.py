@@ -9,13 +9,13 @@ the model runs it.
 A variant is NAME=MODULE:JSON: keys of `model.triton.MODULE.CONFIG` to change (a dict value changes only the
 keys it names; lists become tuples), or of a dotted module's CONFIG: `'thread=benchmarks.timing:{"clocks":
 "thread"}'` samples the clocks on a thread of this process rather than in a child process, and `{"clocks": "off"}`
-not at all, which times the sampler's own cost to the host (`benchmarks.gpu_clocks`). Each round runs the defaults and every variant once, in an order rotated
-from round to round, each call a whole `model.prefill` of the same random prompt into a fresh cache, timed by
-CUDA events from an idle device to its end (`benchmarks.timing.time_calls`); one untimed call of each first
-(kernel compilation). One `kernel` record per variant and length: `results.ours_ms` the variant's median,
+not at all, which times the sampler's own cost to the host (`benchmarks.gpu_clocks`). Each round runs the
+defaults and every variant once, in an order rotated from round to round, each call a whole `model.prefill` of
+the same random prompt into a fresh cache, timed by CUDA events from an idle device to its end
+(`benchmarks.timing.time_calls`); one untimed call of each first (kernel compilation). One `kernel` record per variant and length: `results.ours_ms` the variant's median,
 `results.peer_ms` the defaults' median in the same rounds (`results.peer` = "defaults"), the host's time inside
-each call and how many calls it paced (`results.host_ms`, `host_paced`; `peer_` the defaults'), the per-round ratios
-variant/defaults (`results.paired_ratio_median`: rounds pair calls that ran seconds apart, so a drift of the
+each call and how many calls it paced (`results.host_ms`, `host_paced`; `peer_` the defaults'), the per-round
+ratios variant/defaults (`results.paired_ratio_median`: rounds pair calls that ran seconds apart, so a drift of the
 machine cancels), and the variant's last-position logits against the defaults' (relative RMS error, the same
 argmax, the same bits). Each timed call also samples the GPU's clocks through NVML (`benchmarks.timing`,
 `benchmarks.gpu_clocks`; `results.clocks_ours` / `clocks_peer`: mean SM clock, board power, the share of samples

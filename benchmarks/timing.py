@@ -85,7 +85,6 @@ def clock_sampler(device) -> ClockSampler:
     return ClockSampler(torch.device(device).index or 0, CLOCK_INTERVAL_S, CONFIG["clocks"])
 
 
-
 def time_steps(step: Callable[[], object], n: int, device) -> Samples:
     """Run `step()` n times back to back and time each call. On CUDA nothing waits for the GPU between
     calls (events are read after the last one), so the host runs ahead exactly as in a real decode loop."""
