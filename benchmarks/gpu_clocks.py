@@ -22,7 +22,8 @@ Where the sampling runs (`where`):
 `power_cap_share` is the share of samples that carried the SwPowerCap reason. NVML's board power on Hopper is
 averaged by the driver over a window (tens of ms to ~1 s), so `power_w_*` lag a short call; the SM clock and the
 reason flags are read as they stand at each sample. Two driver counters that would need no sampling are too coarse
-for single calls of 0.05 to 0.6 s, and are not read (errata in records/): the board's energy
+for single calls of 0.05 to 0.6 s, and are not read here (errata in records/; `benchmarks.bench_energy` reads the
+energy counter over sustained runs of seconds): the board's energy
 (`nvmlDeviceGetTotalEnergyConsumption`) gave 117 J over a 137 ms prefill, 855 W on a 700 W board; the time under
 the power cap (`nvmlDeviceGetViolationStatus`, power policy) gave 108% of an 8k prefill's GPU time, and 100% of a
 1k prefill's whose samples carried the cap in 38% at a 1,974 MHz mean (run c9a2b3d32cf8). Nor is the mean SM clock
@@ -63,6 +64,11 @@ class Nvml:
         n, h = self.n, self.h
         return (float(n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)), n.nvmlDeviceGetPowerUsage(h) / 1000.0,
                 int(n.nvmlDeviceGetCurrentClocksEventReasons(h)))
+
+    def energy_j(self) -> float:
+        """The board's energy since the driver loaded, in J: sound over windows of seconds
+        (`benchmarks.bench_energy`), too coarse over single calls (above)."""
+        return self.n.nvmlDeviceGetTotalEnergyConsumption(self.h) / 1000.0
 
 
 def sample_until(read, interval_s: float, stop) -> list:

@@ -893,3 +893,37 @@ def test_clock_sampler_reads_the_gpu_from_its_child_process_and_its_thread():
         assert 0 < summ["sm_mhz_mean"] <= summ["sm_mhz_max"] and summ["sampler"] == where, summ
     c = time_calls(lambda: [a @ a for _ in range(50)], 2, "cuda").clocks
     assert c["samples"] > 0 and c["sampler"] == "process", c
+
+
+def test_energy_sustained_run_counts_calls_and_the_counter_over_the_window():
+    """`bench_energy`'s window on the CPU with a stand-in counter (the board's is NVML's): at least two calls,
+    each after its setup, and the counter's difference over the whole window; per call and per token after."""
+    from benchmarks import bench_energy
+    calls, setups, joules = [], [], iter([100.0, 160.0])
+    run = bench_energy.sustained(lambda: calls.append(1), 0.02, "cpu", lambda: next(joules),
+                                 setup=lambda: setups.append(1))
+    assert run["calls"] == len(calls) == len(setups) >= 2 and run["joules"] == 60.0 and run["seconds"] >= 0.02
+    s = bench_energy.summarize_side({"calls": 4, "seconds": 2.0, "joules": 1400.0}, 1000)
+    assert (s["ms"], s["j_per_token"], s["watts"]) == (500.0, 0.35, 700.0)
+
+
+def test_energy_record_says_the_peer_over_ours(records_dir):
+    from benchmarks import bench_energy
+    ours = bench_energy.summarize_side({"calls": 30, "seconds": 4.0, "joules": 2800.0}, 8192)
+    peer = bench_energy.summarize_side({"calls": 13, "seconds": 4.1, "joules": 2255.0}, 8192)
+    rec = bench_energy.energy_record({"preset": "48b-a3b", "model_dtype": "bfloat16", "weights": "w"}, 8192, 0,
+                                     ours, peer, {"ours": 90.0, "peer": 91.0}, "cpu")
+    r = rec["results"]
+    assert r["energy_ratio"] == pytest.approx((2255.0 / 13) / (2800.0 / 30))
+    assert r["speedup"] == pytest.approx((4100.0 / 13) / (4000.0 / 30)) and r["peer"] == "hf-fla"
+    assert rec["params"]["op"] == "prefill_energy" and load("kernel", root=records_dir).records[0]["id"] == rec["id"]
+
+
+def test_energy_bench_refuses_without_cuda_before_loading_anything():
+    from benchmarks import bench_energy
+    if torch.cuda.is_available():
+        pytest.skip("CUDA here: the device run is the check")
+    with pytest.raises(SystemExit):
+        bench_energy.main(["--preset", "tiny"])
+    with pytest.raises(SystemExit):
+        bench_energy.main(["--rounds", "0"])
