@@ -11,11 +11,11 @@ keys it names; lists become tuples), or of a dotted module's CONFIG: `'thread=be
 "thread"}'` samples the clocks on a thread of this process rather than in a child process, and `{"clocks": "off"}`
 not at all, which times the sampler's own cost to the host (`benchmarks.gpu_clocks`). Each round runs the
 defaults and every variant once, in an order rotated from round to round, each call a whole `model.prefill` of
-the same random prompt into a fresh cache, timed by CUDA events from an idle device to its end
-(`benchmarks.timing.time_calls`); one untimed call of each first (kernel compilation). One `kernel` record per variant and length: `results.ours_ms` the variant's median,
-`results.peer_ms` the defaults' median in the same rounds (`results.peer` = "defaults"), the host's time inside
-each call and how many calls it paced (`results.host_ms`, `host_paced`; `peer_` the defaults'), the per-round
-ratios variant/defaults (`results.paired_ratio_median`: rounds pair calls that ran seconds apart, so a drift of the
+the same random prompt into a fresh cache (`bench_e2e.PrefillCall`), timed by CUDA events from an idle device to
+its end (`benchmarks.timing.time_calls`); one untimed call of each first (kernel compilation). One `kernel` record
+per variant and length: `results.ours_ms` the variant's median, `results.peer_ms` the defaults' median in the
+same rounds (`results.peer` = "defaults"), the host's time inside each call and how many calls it paced
+(`results.host_ms`, `host_paced`; `peer_` the defaults'), the per-round ratios variant/defaults (`results.paired_ratio_median`: rounds pair calls that ran seconds apart, so a drift of the
 machine cancels), and the variant's last-position logits against the defaults' (relative RMS error, the same
 argmax, the same bits). Each timed call also samples the GPU's clocks through NVML (`benchmarks.timing`,
 `benchmarks.gpu_clocks`; `results.clocks_ours` / `clocks_peer`: mean SM clock, board power, the share of samples
@@ -33,6 +33,7 @@ import statistics
 import torch
 
 import model.triton as mt
+from benchmarks.bench_e2e import PrefillCall
 from benchmarks.cli import ints
 from benchmarks.timing import Samples, log, summarize, time_calls
 
@@ -125,18 +126,13 @@ def ab_case(model, T: int, variants: list[tuple[str, str, dict]], rounds: int, d
     gen = torch.Generator().manual_seed(seed + T)
     ids = torch.randint(0, model.cfg.vocab_size, (1, T), generator=gen).to(device)
     arms = [("defaults", None, {})] + variants
-    held, out = {}, {name: {"samples": []} for name, _, _ in arms}
-
-    def fresh_cache():
-        held.clear()  # the previous cache goes before the next is allocated
-        held["cache"] = model.new_cache(1, T)
+    prefill, out = PrefillCall(model, ids), {name: {"samples": []} for name, _, _ in arms}
 
     def call(arm):
         name, module, changes = arm
         with (applied(module, changes) if module else contextlib.nullcontext()):
-            s = time_calls(lambda: held.__setitem__("logits", model.prefill(ids, held["cache"])), 1, device,
-                           setup=fresh_cache)
-        out[name]["logits"] = held["logits"].float().cpu()
+            s = time_calls(prefill.run, 1, device, setup=prefill.setup)
+        out[name]["logits"] = prefill.logits.float().cpu()
         return s.samples_ms[0], s.clocks, (s.host_ms or [None])[0]
 
     for arm in arms:  # untimed: compilation
@@ -151,7 +147,7 @@ def ab_case(model, T: int, variants: list[tuple[str, str, dict]], rounds: int, d
             if clocks:
                 out[arm[0]].setdefault("clocks", []).append(clocks)
         log(f"  T={T} round {r + 1}/{rounds}: " + ", ".join(f"{n} {v['samples'][-1]:.1f} ms" for n, v in out.items()))
-    held.clear()
+    prefill.drop()
     return out
 
 

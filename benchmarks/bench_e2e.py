@@ -175,13 +175,19 @@ def hf_decode(hf, ids: torch.Tensor, steps: int, device) -> dict:
             "prefill_ms": 1000.0 * (clock.stamps[0] - t0), "finite": bool(torch.stack(clock.finite).all())}
 
 
+def hf_prefill_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    """HF's prefill as every prefill benchmark times it: the forward over the prompt with its cache on, the last
+    position's logits only."""
+    return hf(ids, use_cache=True, logits_to_keep=1).logits
+
+
 @torch.no_grad()
 def hf_prefill(hf, ids: torch.Tensor, reps: int, device) -> dict:
-    """HF forward over the prompt with its cache on, logits of the last position only."""
+    """`hf_prefill_logits`, timed."""
     out = {}
 
     def run():
-        out["logits"] = hf(ids, use_cache=True, logits_to_keep=1).logits
+        out["logits"] = hf_prefill_logits(hf, ids)
 
     run()  # untimed: fla autotunes its kernels for each new shape, and that must not count as prefill time
     samples = time_calls(run, reps, device)
@@ -248,22 +254,33 @@ def recompute_decode(s: Settings, model, ids: torch.Tensor) -> dict:
     return {"samples": samples, "finite": bool(torch.stack(state["finite"]).all())}
 
 
+class PrefillCall:
+    """Our prefill as every prefill benchmark times it: `run()` is a whole `model.prefill` of `ids` into the cache
+    that `setup()` made fresh (untimed), keeping the last position's logits (`logits`). `setup()` drops the last
+    call's cache before it allocates the next: two caches of a long prompt at 48B need not fit."""
+
+    def __init__(self, model, ids: torch.Tensor):
+        self.model, self.ids, self.cache, self.logits = model, ids, None, None
+
+    def setup(self) -> None:
+        self.cache = self.logits = None
+        self.cache = self.model.new_cache(self.ids.shape[0], self.ids.shape[1])
+
+    def run(self) -> None:
+        self.logits = self.model.prefill(self.ids, self.cache)
+
+    def drop(self) -> None:
+        self.cache = self.logits = None
+
+
 @torch.no_grad()
 def ours_prefill(s: Settings, model, ids: torch.Tensor) -> dict:
-    """`model.prefill` of the whole prompt into a fresh cache; one untimed run first (kernel compilation)."""
-    held = {}
-
-    def fresh_cache():
-        held.clear()  # the previous cache goes before the next is allocated
-        held["cache"] = model.new_cache(ids.shape[0], ids.shape[1])
-
-    def run():
-        held["logits"] = model.prefill(ids, held["cache"])
-
-    fresh_cache()
-    run()
-    samples = time_calls(run, s.prefill_reps, s.device, setup=fresh_cache)
-    return {"samples": samples, "finite": bool(torch.isfinite(held["logits"]).all())}
+    """`PrefillCall`, timed; one untimed run first (kernel compilation)."""
+    call = PrefillCall(model, ids)
+    call.setup()
+    call.run()
+    samples = time_calls(call.run, s.prefill_reps, s.device, setup=call.setup)
+    return {"samples": samples, "finite": bool(torch.isfinite(call.logits).all())}
 
 
 # ---- running configurations -------------------------------------------------------------------------

@@ -7,8 +7,8 @@ measures that currency directly.
 
     python -m benchmarks.bench_energy [--prefill 8192] [--seconds 4] [--rounds 2] [--preset 48b-a3b]
 
-Each side runs whole prefills of the same random prompt back to back (ours into a fresh cache each call, the
-cache's allocation included, as `bench_e2e` times it; HF's forward with its cache on, the last position's logits),
+Each side runs whole prefills of the same random prompt back to back, each as `bench_e2e` times it (ours
+`PrefillCall`, here with the fresh cache's allocation inside the window; HF `hf_prefill_logits`),
 after one untimed call (compilation, fla's autotuning), until `--seconds` have passed; the board's energy counter
 (`nvmlDeviceGetTotalEnergyConsumption`, mJ) is read before the first and after the last call, with a device
 sync. Over seconds the counter is sound (over single calls of 0.05 to 0.6 s it is not: `benchmarks.gpu_clocks`);
@@ -16,7 +16,8 @@ a board idle for a second before each side gives the idle power, kept for contex
 `--rounds` rounds. One `kernel` record per round (`op` = `prefill_energy`): `results.ours_ms` / `peer_ms` the
 sustained time per call, `ours_j_per_token` / `peer_j_per_token`, the mean board power of each, and
 `energy_ratio` = the peer's joules per token over ours (the multiple of the peer that ours would reach at equal
-power). Needs NVML and CUDA; anywhere else it stops with an error before it loads anything.
+power). A round whose last logits on either side are not all finite is INVALID. Needs NVML and CUDA; anywhere
+else it stops with an error before it loads anything.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import time
 
 import torch
 
-from benchmarks.bench_e2e import hf_kernels, peer_unavailable
+from benchmarks.bench_e2e import PrefillCall, hf_kernels, hf_prefill_logits, peer_unavailable
 from benchmarks.cli import ints
 from benchmarks.gpu_clocks import Nvml
 from benchmarks.timing import log, sync
@@ -65,7 +66,8 @@ def idle_watts(seconds: float, device, energy_j) -> float:
     return (energy_j() - e0) / (time.perf_counter() - t0)
 
 
-def energy_record(desc: dict, T: int, rnd: int, ours: dict, peer: dict, idle: dict, device_name: str) -> dict:
+def energy_record(desc: dict, T: int, rnd: int, ours: dict, peer: dict, idle: dict, device_name: str,
+                  reasons: list[str] = ()) -> dict:
     from records.store import append, make_record
     results = {"ours_ms": ours["ms"], "peer_ms": peer["ms"], "peer": PEER, "speedup": peer["ms"] / ours["ms"],
                "ours_j_per_token": ours["j_per_token"], "peer_j_per_token": peer["j_per_token"],
@@ -76,7 +78,8 @@ def energy_record(desc: dict, T: int, rnd: int, ours: dict, peer: dict, idle: di
                          "read around the whole run, after a device sync"}
     params = {"op": "prefill_energy", "T": T, "B": 1, "round": rnd, **desc}
     rec = make_record("kernel", preset=desc["preset"], dtype=desc["model_dtype"], device=device_name,
-                      weights=desc["weights"], params=params, results=results, verdict="VALID", reasons=[])
+                      weights=desc["weights"], params=params, results=results,
+                      verdict="INVALID" if reasons else "VALID", reasons=list(reasons))
     append(rec)
     return rec
 
@@ -113,31 +116,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     recs = []
     for T in args.prefill:
         ids = torch.randint(0, loaded.cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(T)).cuda()
-        held = {}
-
-        def fresh_cache():
-            held.clear()
-            held["cache"] = model.new_cache(1, T)
-
-        def ours():
-            held["logits"] = model.prefill(ids, held["cache"])
+        call, held = PrefillCall(model, ids), {}
 
         def peer():
-            held["peer_logits"] = hf(ids, use_cache=True, logits_to_keep=1).logits
+            held["logits"] = hf_prefill_logits(hf, ids)
 
-        fresh_cache()
-        ours()
+        call.setup()
+        call.run()
         with hf_kernels(PEER):
             peer()  # untimed: compilation, fla's autotuning at this shape
         for rnd in range(args.rounds):
             idle = {"ours": idle_watts(IDLE_S, "cuda", nvml.energy_j)}
-            o = summarize_side(sustained(ours, args.seconds, "cuda", nvml.energy_j, fresh_cache), T)
-            held.clear()
+            o = summarize_side(sustained(call.run, args.seconds, "cuda", nvml.energy_j, call.setup), T)
+            reasons = [] if bool(torch.isfinite(call.logits).all()) else ["ours: last logits not all finite"]
+            call.drop()
             idle["peer"] = idle_watts(IDLE_S, "cuda", nvml.energy_j)
             with hf_kernels(PEER):
                 p = summarize_side(sustained(peer, args.seconds, "cuda", nvml.energy_j), T)
-            held.pop("peer_logits", None)
-            rec = energy_record(desc, T, rnd, o, p, idle, name)
+            if not bool(torch.isfinite(held.pop("logits")).all()):
+                reasons.append(f"{PEER}: last logits not all finite")
+            rec = energy_record(desc, T, rnd, o, p, idle, name, reasons)
             recs.append(rec)
             r = rec["results"]
             log(f"T={T} round {rnd + 1}/{args.rounds}: ours {o['ms']:.1f} ms a call, {o['j_per_token'] * 1e3:.3f} mJ "

@@ -917,6 +917,11 @@ def test_energy_record_says_the_peer_over_ours(records_dir):
     assert r["energy_ratio"] == pytest.approx((2255.0 / 13) / (2800.0 / 30))
     assert r["speedup"] == pytest.approx((4100.0 / 13) / (4000.0 / 30)) and r["peer"] == "hf-fla"
     assert rec["params"]["op"] == "prefill_energy" and load("kernel", root=records_dir).records[0]["id"] == rec["id"]
+    assert rec["verdict"] == "VALID"
+    bad = bench_energy.energy_record({"preset": "48b-a3b", "model_dtype": "bfloat16", "weights": "w"}, 8192, 1,
+                                     ours, peer, {"ours": 90.0, "peer": 91.0}, "cpu",
+                                     ["ours: last logits not all finite"])
+    assert bad["verdict"] == "INVALID" and "finite" in bad["reasons"][0]  # the negative control
 
 
 def test_energy_bench_refuses_without_cuda_before_loading_anything():
