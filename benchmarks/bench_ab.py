@@ -16,8 +16,9 @@ its end (`benchmarks.timing.time_calls`); one untimed call of each first (kernel
 per variant and length: `results.ours_ms` the variant's median, `results.peer_ms` the defaults' median in the
 same rounds (`results.peer` = "defaults"), the host's time inside each call and how many calls it paced
 (`results.host_ms`, `host_paced`; `peer_` the defaults'), the per-round ratios variant/defaults
-(`results.paired_ratio_median`: rounds pair calls that ran seconds apart, so a drift of the machine cancels), and the variant's last-position logits against the defaults' (relative RMS error, the same
-argmax, the same bits). Each timed call also samples the GPU's clocks through NVML (`benchmarks.timing`,
+(`results.paired_ratio_median`: rounds pair calls that ran seconds apart, so a drift of the machine cancels),
+and the variant's last-position logits against the defaults' (relative RMS error, the same argmax, the same
+bits). Each timed call also samples the GPU's clocks through NVML (`benchmarks.timing`,
 `benchmarks.gpu_clocks`; `results.clocks_ours` / `clocks_peer`: mean SM clock, board power, the share of samples
 under the power cap), since a faster kernel can lose its gain to a lower clock in a
 power-capped prefill. A variant whose logits are non-finite or differ past `LOGITS_TOL` is INVALID.
