@@ -310,14 +310,7 @@ DECODE_SWEEP = ([dict(grid="strided", BV=bv, num_warps=nw) for bv in (8, 16, 32,
                    if bv * nw <= 256]
                 # one program per head (BV = the head dim, 128): no block waits for another to finish the head,
                 # the whole state in one program (the default below batch 16 since the sweep of ddeba4c)
-                + [dict(grid="strided", BV=bv, num_warps=nw) for bv, nw in ((64, 8), (128, 4), (128, 8), (128, 16))]
-                # the taps of a whole head read with the other loads and written at the end (no second round trip)
-                + [dict(grid="strided", BV=128, num_warps=nw, early_taps=True) for nw in (4, 8)]
-                # blocks with a counter: the state stored after reporting in, so the release waits for o alone
-                + [dict(grid=g, BV=bv, num_warps=nw, s_late=True)
-                   for g, bv, nw in (("adjacent", 16, 1), ("adjacent", 16, 2), ("adjacent", 16, 8), ("strided", 16, 1),
-                                     ("adjacent", 32, 2), ("adjacent", 32, 4), ("strided", 32, 2), ("adjacent", 8, 4),
-                                     ("strided", 64, 4))])
+                + [dict(grid="strided", BV=bv, num_warps=nw) for bv, nw in ((64, 8), (128, 4), (128, 8), (128, 16))])
 
 
 # A config's bf16 output against the default's: another fp32 summation order flips the rounding of a few elements

@@ -310,16 +310,14 @@ def test_decode_matches_reference_composition(B, H, d, W, dtype, A_shift, seed):
 
 @given(B=st.sampled_from([1, 2, 5]), H=st.integers(1, 2), d=st.sampled_from([16, 32, 64]), W=st.integers(2, 4),
        dtype=st.sampled_from(sorted(DTYPES)), A_shift=st.sampled_from([-6.0, 0.0, 7.0]),
-       grid=st.sampled_from(GRIDS), BV=st.sampled_from([8, 16, 32]), early_taps=st.booleans(), s_late=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_decode_grids_match_the_default(B, H, d, W, dtype, A_shift, grid, BV, early_taps, s_late, seed):
-    """Every grid, with one to eight column blocks per head, either order of the taps' read (early_taps: a
-    whole head's with the other loads) and of the state's store (s_late: after reporting in), is the default's
-    step: the same taps, o and state, and at fp32 the reference composition's.
+       grid=st.sampled_from(GRIDS), BV=st.sampled_from([8, 16, 32]), seed=st.integers(0, 2**16))
+def test_decode_grids_match_the_default(B, H, d, W, dtype, A_shift, grid, BV, seed):
+    """Every grid, with one to eight column blocks per head, is the default's step: the same taps, o and
+    state, and at fp32 the reference composition's.
     (At bf16 the interpreter truncates where torch rounds, which the reference test's draws stay clear of.)"""
     inp = decode_inputs(B, H, d, W, DTYPES[dtype], seed, A_shift)
     o0, state0, taps0 = run_decode(inp)
-    o, state, taps = run_decode(inp, cfg=dict(grid=grid, BV=BV, early_taps=early_taps, s_late=s_late))
+    o, state, taps = run_decode(inp, cfg=dict(grid=grid, BV=BV))
     assert o.dtype == inp["qkv_raw"].dtype and o.shape == (B, H, d)
     assert torch.equal(taps, taps0)
     tol = 1e-6 if dtype == "fp32" else 1e-2
@@ -333,16 +331,15 @@ def test_decode_grids_match_the_default(B, H, d, W, dtype, A_shift, grid, BV, ea
 
 
 @given(B=st.sampled_from([1, 3]), d=st.sampled_from([16, 32, 128]), dtype=st.sampled_from(sorted(DTYPES)),
-       grid=st.sampled_from(GRIDS), BV=st.sampled_from([16, 128]), early_taps=st.booleans(), s_late=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_decode_fused_output_norm(B, d, dtype, grid, BV, early_taps, s_late, seed):
+       grid=st.sampled_from(GRIDS), BV=st.sampled_from([16, 128]), seed=st.integers(0, 2**16))
+def test_decode_fused_output_norm(B, d, dtype, grid, BV, seed):
     """The norm finished by the head's last block (BV < d), or in registers by the head's one block (BV >= d)."""
     H = 2
     inp = decode_inputs(B, H, d, 4, DTYPES[dtype], seed)
     gen = torch.Generator().manual_seed(seed + 1)
     gate = torch.randn(B, H * d, generator=gen).to(DTYPES[dtype]).to(DEV)
     weight = torch.randn(d, generator=gen).to(DEV)
-    cfg = dict(grid=grid, BV=BV, early_taps=early_taps, s_late=s_late)
+    cfg = dict(grid=grid, BV=BV)
     normed, state, _ = run_decode(inp, out_gate=gate, norm_weight=weight, norm_eps=1e-5, cfg=cfg)
     o, state_unfused, _ = run_decode(inp, cfg=cfg)
     assert torch.equal(state, state_unfused)
@@ -863,12 +860,8 @@ def test_gpu_chunk_saturated_gates(regime):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B", [1, 8, 64])
 @pytest.mark.parametrize("cfg", [None, dict(grid="adjacent", BV=16, num_warps=4), dict(grid="strided", BV=16, num_warps=4),
-                                 dict(grid="adjacent", BV=32, num_warps=2), dict(grid="strided", BV=128, num_warps=8),
-                                 dict(grid="strided", BV=128, num_warps=4, early_taps=True),
-                                 dict(grid="adjacent", BV=16, num_warps=4, s_late=True),
-                                 dict(grid="adjacent", BV=32, num_warps=2, s_late=True)],
-                         ids=["default", "adjacent16", "strided16", "adjacent32", "whole128", "whole128_early_taps",
-                              "adjacent16_s_late", "adjacent32_s_late"])
+                                 dict(grid="adjacent", BV=32, num_warps=2), dict(grid="strided", BV=128, num_warps=8)],
+                         ids=["default", "adjacent16", "strided16", "adjacent32", "whole128"])
 def test_gpu_decode_real_shapes(B, dtype, cfg, no_tf32):
     """Several steps in a row at 32 heads x 128 (several state blocks per head, finished by whichever
     block comes last): every step's o, state and taps against the composition

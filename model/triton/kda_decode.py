@@ -13,6 +13,13 @@ against 87.7 us `a392ce5f`; B=1 11.2 us `3ee662cc` against 6.8 us `cea96aa3`).
 With BV = D a head is one program in either grid: no counter, o normalised in registers and stored once, the taps
 shifted by the same program. At D = 128 that is 32 programs at batch 1, each moving the head's 64 KB; the default
 below LARGE_BATCH since the sweep of ddeba4c (see DECODE below).
+Two orderings were measured and removed (graph-timed sweep of 00fa6bf): a whole head reading its conv taps with
+the other loads and writing them at the end, instead of the second round trip of `_shift_taps` (B=1 6.96 us
+`5226d884` against 6.90 `5e1caee4`; B=64 89.8 against 92.4 us, `729f6ad9` / `ba38b11b`, one sample each, and not
+the default there), and the counter path storing its state block after reporting in, so that the release waits for
+o alone (B=1 at best 6.77 us `5c33123d` against 6.84 `c28f6baa`; B=64 86.0 against 87.4 us at the default,
+`ac80b39c` / `f541a781`). Neither moved batch 1, where every config of that sweep took 6.8 to 12.6 us: the step's
+floor there is not the taps' round trip nor the wait for the state's stores.
 """
 from __future__ import annotations
 
@@ -37,8 +44,8 @@ from model.triton.norms import _rms_normalize
 # that the default below LARGE_BATCH: B=1 6.8 us `d47cc52c` (tied for best; the old default 7.6 `139325bd`), B=8
 # 14.4 us `28ff9e21` (best; old 18.6 `479c4fd6`). At B=64 it reads 92.9 us `465c195f`, so the large-batch default
 # stays (86.4 us `1b454e24`).
-DECODE = dict(BV=128, num_warps=4, grid="strided", early_taps=False, s_late=False)
-DECODE_LARGE = dict(BV=32, num_warps=2, grid="adjacent", early_taps=False, s_late=False)
+DECODE = dict(BV=128, num_warps=4, grid="strided")
+DECODE_LARGE = dict(BV=32, num_warps=2, grid="adjacent")
 LARGE_BATCH = 16
 GRIDS = ("strided", "adjacent")  # see the module docstring
 
@@ -70,43 +77,24 @@ def _short_conv(x, taps, conv_w, i_b, ch, C: tl.constexpr, W: tl.constexpr):
     return (y * tl.sigmoid(y)).to(wdt).to(xdt).to(tl.float32)
 
 
-@triton.jit
-def _read_shifted_taps(x, taps, i_b, i_h, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """The conv taps of head i_h after this step, read but not yet written: taps hold the last W-1 inputs, so the
-    new ones are rows 1 .. W-2 of the old and the current input (`_write_shifted_taps` stores them). For the q, k
-    and v channels of the head (three groups of D, H*D apart; lanes for four, the fourth masked off)."""
-    C: tl.constexpr = 3 * H * D
-    j = tl.arange(0, WP)
-    lane = tl.arange(0, 4 * D)
-    ch = i_h * D + lane // D * (H * D) + lane % D
-    m_ch = lane < 3 * D
-    keep = ((j >= 1) & (j < W - 1))[:, None] & m_ch[None, :]
-    old = tl.load(taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :], mask=keep, other=0.)
-    return old, tl.load(x + i_b.to(tl.int64) * C + ch, mask=m_ch)
-
-
-@triton.jit
-def _write_shifted_taps(old, b_x, taps, i_b, i_h, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-                        WP: tl.constexpr):
-    """Store what `_read_shifted_taps` read: old rows 1 .. W-2 one row down, the current input as the last."""
-    C: tl.constexpr = 3 * H * D
-    j = tl.arange(0, WP)
-    lane = tl.arange(0, 4 * D)
-    ch = i_h * D + lane // D * (H * D) + lane % D
-    m_ch = lane < 3 * D
-    keep = ((j >= 1) & (j < W - 1))[:, None] & m_ch[None, :]
-    tl.store(taps + (i_b * (W - 1) + j[:, None] - 1).to(tl.int64) * C + ch[None, :], old, mask=keep)
-    tl.store(taps + (i_b * (W - 1) + W - 2).to(tl.int64) * C + ch, b_x.to(taps.dtype.element_ty), mask=m_ch)
-
-
 @triton.jit(noinline=True)
 def _shift_taps(x, taps, i_b, i_h, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """Drop the oldest tap and append the current input, for the q, k and v channels of head i_h, all read
+    """Drop the oldest tap and append the current input (taps hold the last W-1 inputs), for the q, k and v
+    channels of head i_h (three groups of D, H*D apart; lanes for four, the fourth masked off), all read
     before any is written: one round trip. Rereads what it moves; a separate function, so that its registers
     are not added to the state update's."""
-    old, b_x = _read_shifted_taps(x, taps, i_b, i_h, H, D, W, WP)
+    C: tl.constexpr = 3 * H * D
+    j = tl.arange(0, WP)
+    lane = tl.arange(0, 4 * D)
+    ch = i_h * D + lane // D * (H * D) + lane % D
+    m_ch = lane < 3 * D
+    p_taps = taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :]
+    keep = ((j >= 1) & (j < W - 1))[:, None] & m_ch[None, :]
+    old = tl.load(p_taps, mask=keep, other=0.)
+    b_x = tl.load(x + i_b.to(tl.int64) * C + ch, mask=m_ch)
     tl.debug_barrier()  # every thread has read the rows before any row is overwritten
-    _write_shifted_taps(old, b_x, taps, i_b, i_h, H, D, W, WP)
+    tl.store(p_taps - C, old, mask=keep)
+    tl.store(taps + (i_b * (W - 1) + W - 2).to(tl.int64) * C + ch, b_x.to(taps.dtype.element_ty), mask=m_ch)
 
 
 @triton.jit
@@ -169,8 +157,7 @@ def _update_columns(S, b_q, b_k, decay, b_beta, b_v):
 @triton.jit
 def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, arrivals, scale, eps,
                    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                   HAS_NORM: tl.constexpr, ADJACENT: tl.constexpr, EARLY_TAPS: tl.constexpr,
-                   S_LATE: tl.constexpr):
+                   HAS_NORM: tl.constexpr, ADJACENT: tl.constexpr):
     """One token of KDA for one (sequence, head) and one block of BV state columns. Grid (B*H, D // BV), or
     with ADJACENT (B*H * D // BV,), the blocks of a head on consecutive program ids.
 
@@ -200,39 +187,28 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     C: tl.constexpr = 3 * H * D
     p_s = state + i_bh.to(tl.int64) * D * D + cd[:, None] * D + cv[None, :]
     S = tl.load(p_s)
-    WHOLE: tl.constexpr = BV == D  # one block holds the head: nothing to wait for
-    if WHOLE and EARLY_TAPS:  # read with the other loads, written at the end: no second round trip
-        new_taps, new_x = _read_shifted_taps(qkv, taps, i_b, i_h, H, D, W, WP)
 
     b_q, b_k, decay, b_beta = _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h, H, D, W)
     b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + cv, C, W)
     S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
     p_o = o + i_bh.to(tl.int64) * D
+    WHOLE: tl.constexpr = BV == D  # one block holds the head: nothing to wait for
     if WHOLE and HAS_NORM:  # the whole row of o is here: normalise it before it is stored
         b_o = _gated_norm(b_o.to(o.dtype.element_ty).to(tl.float32),
                           tl.load(out_gate + i_bh.to(tl.int64) * D + cv).to(tl.float32),
                           tl.load(norm_w + cv).to(tl.float32), eps, D)
     tl.debug_barrier()  # every load of this block's state (and taps) landed before any of it is overwritten
+    tl.store(p_s, S)
+    tl.store(p_o + cv, b_o.to(o.dtype.element_ty))
+
     if WHOLE:
-        tl.store(p_s, S)
-        tl.store(p_o + cv, b_o.to(o.dtype.element_ty))
-        if EARLY_TAPS:
-            _write_shifted_taps(new_taps, new_x, taps, i_b, i_h, H, D, W, WP)
-        else:
-            _shift_taps(qkv, taps, i_b, i_h, H, D, W, WP)
+        _shift_taps(qkv, taps, i_b, i_h, H, D, W, WP)
     else:
         # Report in once every thread of this block is done with the taps and has stored its o (acq_rel
         # atomic); the last of the head's blocks to report finishes the head: the taps of all its q, k and v
         # channels in one round trip (a block's own v taps too, off the other blocks' critical path).
-        # S_LATE: the state block is stored after reporting, so the release waits for o alone, not for S too.
-        if not S_LATE:
-            tl.store(p_s, S)
-        tl.store(p_o + cv, b_o.to(o.dtype.element_ty))
         tl.debug_barrier()
-        last = tl.atomic_add(arrivals + i_bh, 1) == D // BV - 1
-        if S_LATE:
-            tl.store(p_s, S)
-        if last:
+        if tl.atomic_add(arrivals + i_bh, 1) == D // BV - 1:
             _shift_taps(qkv, taps, i_b, i_h, H, D, W, WP)
             if HAS_NORM:
                 _gated_norm_row(p_o, out_gate + i_bh.to(tl.int64) * D, norm_w, eps, D)
@@ -308,6 +284,5 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
                 num_warps=c["num_warps"])
     adjacent = c["grid"] == "adjacent"
     _kda_decode_kernel[(B * H * (D // BV),) if adjacent else (B * H, D // BV)](
-        *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), **meta, ADJACENT=adjacent,
-        EARLY_TAPS=bool(c["early_taps"]), S_LATE=bool(c["s_late"]))
+        *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), **meta, ADJACENT=adjacent)
     return o
