@@ -2,9 +2,10 @@
 
     python -m reports.render [--records DIR] [--out reports/]
 
-Every figure and table cites the records it was drawn from (short id, machine, commit). INVALID records
-are listed with their reasons and never drawn into a speed plot; lines `load()` could not read are listed
-at the top. A section without records says so instead of failing.
+Every figure and table cites the records it was drawn from (short id, machine, commit). Lines `load()` could
+not read are listed at the top, then the issues' targets judged from the records (`reports.targets`), then the
+plots and tables; INVALID records close the report with their reasons (cut past REASON_CHARS) and are never
+drawn into a speed plot, and the errata follow them. A section without records says so instead of failing.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks.categories import CATEGORY_NAMES  # noqa: E402
-from reports import regress  # noqa: E402
+from reports import regress, targets  # noqa: E402
 
 NO_RECORDS = "no records yet"
 OURS_COLOR = "tab:green"  # ours is drawn in one colour in every speed plot
@@ -147,15 +148,41 @@ def problems_section(problems: list[str]) -> Section:
     return s
 
 
+def targets_section(records: list[dict]) -> Section:
+    s = Section("Targets")
+    s.blocks.append("The issues' targets, each judged on its latest reading in the records (`reports/targets.py` "
+                    "says which records measure each and how): a speed target only on the H200, at the 48B-A3B "
+                    "preset or the kernel shapes its issue names; the gates at their default precision.")
+    rows, cited = [], []
+    for st in targets.judge(records):
+        latest = st.latest
+        rows.append([str(st.target.issue), st.target.name, st.target.bar, latest.text if latest else "—",
+                     st.verdict, st.history,
+                     ", ".join(f"{short_id(r)} ({commit(r)}, {when(r):%Y-%m-%d})" for r in latest.records)
+                     if latest else "—"])
+        cited += [r for r in (latest.records if latest else ()) if r["id"] not in {c["id"] for c in cited}]
+    s.blocks.append(Table(["issue", "target", "bar", "latest", "verdict", "recent", "record"], rows,
+                          cite(cited) if cited else None))
+    return s
+
+
+REASON_CHARS = 240  # a reason longer than this is cut in the table (the record keeps it whole)
+
+
 def invalid_section(records: list[dict]) -> Section:
     s = Section("INVALID records")
     bad = [r for r in records if r["verdict"] != "VALID"]
     if not bad:
         s.blocks.append("none")
         return s
-    s.blocks.append("Kept for the record, left out of every plot and summary below.")
+    s.blocks.append(f"Kept for the record, left out of every plot and summary above; reasons past {REASON_CHARS} "
+                    "characters are cut here (the record holds them whole).")
+
+    def reasons(r):
+        text = "; ".join(r["reasons"])
+        return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
     s.blocks.append(Table(["record", "kind", "time", "machine", "commit", "reasons"],
-                          [[short_id(r), r["kind"], r["time"], machine(r), commit(r), "; ".join(r["reasons"])]
+                          [[short_id(r), r["kind"], r["time"], machine(r), commit(r), reasons(r)]
                            for r in bad], cite(bad)))
     return s
 
@@ -198,7 +225,7 @@ def errata_section(errata: list[dict]) -> Section:
     if not errata:
         s.blocks.append("none")
         return s
-    s.blocks.append("Fields of earlier records that are not used below (records are never edited; these say why).")
+    s.blocks.append("Fields of earlier records that are not used above (records are never edited; these say why).")
     s.blocks.append(Table(["erratum", "record", "fields", "reason"],
                           [[short_id(e), str(get(e, "params.record"))[:8], ", ".join(get(e, "params.fields", [])),
                             str(get(e, "results.reason"))] for e in errata], cite(errata)))
@@ -635,8 +662,7 @@ def build(loaded, out: Path) -> list[Section]:
     of = lambda *kinds: [r for r in valid if r["kind"] in kinds]
     return [
         problems_section(loaded.problems),
-        invalid_section(records),
-        errata_section(errata),
+        targets_section(valid),
         speed_section(of("bench"), out),
         history_section(of("bench"), out),
         gates_section(of("gate_a", "gate_b"), out),
@@ -644,6 +670,8 @@ def build(loaded, out: Path) -> list[Section]:
                                and not get(r, "params.variant")], out),
         kernels_section(of("kernel"), out),
         memory_section(of("memory"), out),
+        invalid_section(records),
+        errata_section(errata),
     ]
 
 
