@@ -247,6 +247,16 @@ def _shown(path: Path) -> Path:
         return path
 
 
+def get(record: dict, dotted: str, default=None):
+    """A record's field by dotted path ('results.tok_s'), or `default` where any part is missing or None."""
+    value = record
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or value.get(part) is None:
+            return default
+        value = value[part]
+    return value
+
+
 def load(kinds=None, root: str | Path | None = None) -> Loaded:
     """Every record of `kinds` (default: all files present). Bad lines are reported in `problems`, never raised."""
     d = records_dir(root)

@@ -24,6 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks.categories import CATEGORY_NAMES  # noqa: E402
+from records.store import get  # noqa: E402
 from reports import regress, targets  # noqa: E402
 
 NO_RECORDS = "no records yet"
@@ -63,15 +64,6 @@ class Section:
 
 
 # ---- record helpers ----------------------------------------------------------------------------
-
-def get(record: dict, dotted: str, default=None):
-    value = record
-    for part in dotted.split("."):
-        if not isinstance(value, dict) or value.get(part) is None:
-            return default
-        value = value[part]
-    return value
-
 
 def short_id(r: dict) -> str:
     return str(r["id"])[:8]

@@ -14,6 +14,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
+from records.store import get
+
 GPU = "NVIDIA H200"  # the box the issues' targets were set on (SPEC.md §4)
 RECENT = 5  # readings summarised beside the latest ("met in k of the last n")
 
@@ -33,29 +35,20 @@ class Target:
     readings: Callable[[list[dict]], list[Reading]]  # VALID records of every kind -> readings, oldest first
 
 
-def _get(r: dict, dotted: str, default=None):
-    node = r
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
-
-
 def _on_gpu(r: dict) -> bool:
-    return str(_get(r, "machine.gpu", "")).startswith(GPU)
+    return str(get(r, "machine.gpu", "")).startswith(GPU)
 
 
 def _bench(records, phase: str, context: int, peer: str, impl: str) -> list[dict]:
     """The 48B's bf16 bench records of one phase, context, peer and implementation, on the H200, oldest first."""
     return sorted((r for r in records if r["kind"] == "bench" and _on_gpu(r) and r.get("preset") == "48b-a3b"
-                   and r.get("dtype") == "bfloat16" and _get(r, "params.phase") == phase
-                   and _get(r, "params.context") == context and _get(r, "params.peer") == peer
-                   and _get(r, "params.impl") == impl), key=lambda r: r["time"])
+                   and r.get("dtype") == "bfloat16" and get(r, "params.phase") == phase
+                   and get(r, "params.context") == context and get(r, "params.peer") == peer
+                   and get(r, "params.impl") == impl), key=lambda r: r["time"])
 
 
 def _figure(r: dict, field: str, bar: float, text: Callable[[float, dict], str]) -> Reading | None:
-    x = _get(r, f"results.{field}")
+    x = get(r, f"results.{field}")
     return None if x is None else Reading(x >= bar, text(x, r), (r,))
 
 
@@ -68,7 +61,7 @@ def _decode_1k(records):
 
 
 def _multiple(r: dict, bar: float) -> Reading | None:
-    ours, peer = _get(r, "results.tok_s"), _get(r, "results.peer_tok_s")
+    ours, peer = get(r, "results.tok_s"), get(r, "results.peer_tok_s")
     if not ours or not peer:
         return None
     return Reading(ours / peer >= bar, f"{ours / peer:.2f}x ({ours:,.1f} against {peer:,.2f} tok/s)", (r,))
@@ -79,8 +72,8 @@ def _long_context(records) -> list[Reading]:
     by_run = defaultdict(dict)
     for r in _bench(records, "decode", 1024, "hf", "ours-graph") + _bench(records, "decode", 131072, "hf",
                                                                           "ours-graph"):
-        if _get(r, "params.run") is not None and _get(r, "results.tok_s"):
-            by_run[_get(r, "params.run")][_get(r, "params.context")] = r
+        if get(r, "params.run") is not None and get(r, "results.tok_s"):
+            by_run[get(r, "params.run")][get(r, "params.context")] = r
     out = []
     for run in sorted(by_run, key=lambda k: max(r["time"] for r in by_run[k].values())):
         pair = by_run[run]
@@ -101,35 +94,35 @@ def _gate_a(preset: str, device: str):
                        and (device == "cpu" or _on_gpu(r))), key=lambda r: r["time"])
 
     def read(r):
-        score, total = _get(r, "results.score"), _get(r, "results.total")
+        score, total = get(r, "results.score"), get(r, "results.total")
         if score is None or not total:
             return None
-        experts = _get(r, "params.expert_dtype")
+        experts = get(r, "params.expert_dtype")
         return Reading(score == total, f"{score}/{total}" + (f" (routed experts {experts})" if experts else ""), (r,))
     return _each(select, read)
 
 
 def _gate_b_hf(records) -> list[Reading]:
     rs = sorted((r for r in records if r["kind"] == "gate_b" and r.get("preset") == "48b-a3b" and _on_gpu(r)
-                 and _get(r, "params.golden_source") == "hf"), key=lambda r: r["time"])
+                 and get(r, "params.golden_source") == "hf"), key=lambda r: r["time"])
     out = []
     for r in rs:
-        if _get(r, "results.score") is None:
+        if get(r, "results.score") is None:
             continue
-        diagnosed = _get(r, "results.diagnoses") is not None  # one per diverging prompt; [] when none diverged
-        out.append(Reading(diagnosed, f"{_get(r, 'results.score')}/{_get(r, 'results.total')}, "
-                                      f"{len(_get(r, 'results.diagnoses') or [])} diagnosis(es)"
+        diagnosed = get(r, "results.diagnoses") is not None  # one per diverging prompt; [] when none diverged
+        out.append(Reading(diagnosed, f"{get(r, 'results.score')}/{get(r, 'results.total')}, "
+                                      f"{len(get(r, 'results.diagnoses') or [])} diagnosis(es)"
                                       if diagnosed else "score without diagnoses", (r,)))
     return out
 
 
 def _memory(records) -> list[Reading]:
     rs = sorted((r for r in records if r["kind"] == "memory" and r.get("preset") == "48b-a3b" and _on_gpu(r)
-                 and _get(r, "results.measured_peak_bytes") and _get(r, "results.projected_bytes")),
+                 and get(r, "results.measured_peak_bytes") and get(r, "results.projected_bytes")),
                 key=lambda r: r["time"])
     out = []
     for r in rs:
-        passed = bool(_get(r, "results.passed"))
+        passed = bool(get(r, "results.passed"))
         share = r["results"]["measured_peak_bytes"] / r["results"]["projected_bytes"]
         out.append(Reading(passed, f"peak {share:.3f}x the projection, {'passed' if passed else 'failed'}", (r,)))
     return out
@@ -138,17 +131,17 @@ def _memory(records) -> list[Reading]:
 def _kernel(op: str, **shape):
     """Our default-config kernel records of op at one shape (no sweep, no A/B variant), on the H200."""
     def select(records):
-        return sorted((r for r in records if r["kind"] == "kernel" and _on_gpu(r) and _get(r, "params.op") == op
-                       and all(_get(r, f"params.{k}") == v for k, v in shape.items())
-                       and not _get(r, "params.sweep") and _get(r, "params.prep") is None
-                       and _get(r, "params.prec") is None), key=lambda r: r["time"])
+        return sorted((r for r in records if r["kind"] == "kernel" and _on_gpu(r) and get(r, "params.op") == op
+                       and all(get(r, f"params.{k}") == v for k, v in shape.items())
+                       and not get(r, "params.sweep") and get(r, "params.prep") is None
+                       and get(r, "params.prec") is None), key=lambda r: r["time"])
     return select
 
 
 def _faster(ours_field: str, peer_field: str, strict: bool, unit: str, scale: float, digits: int):
     """Ours against the peer in one record, both in ms, shown in `unit` (ms times `scale`)."""
     def read(r):
-        ours, peer = _get(r, f"results.{ours_field}"), _get(r, f"results.{peer_field}")
+        ours, peer = get(r, f"results.{ours_field}"), get(r, f"results.{peer_field}")
         if not ours or not peer:
             return None
         return Reading(ours < peer if strict else ours <= peer,
@@ -160,8 +153,8 @@ TARGETS = (
     Target("decode at 1k context", 5, ">= 375 tok/s",
            _each(_decode_1k, lambda r: _figure(r, "tok_s", 375, lambda x, r: f"{x:,.1f} tok/s"))),
     Target("decode at 1k: share of the roofline", 5, ">= 55%",
-           _each(_decode_1k, lambda r: _figure(r, "roofline_fraction", 0.55,
-                                               lambda x, r: f"{x:.1%} (HBM {_get(r, 'results.hbm_gbps', 0):,.0f} GB/s)"))),
+           _each(_decode_1k, lambda r: _figure(r, "roofline_fraction", 0.55, lambda x, r: (
+               f"{x:.1%} (HBM {get(r, 'results.hbm_gbps', 0):,.0f} GB/s)")))),
     Target("decode at 1k against HF transformers, same run", 5, ">= 40x",
            _each(_decode_1k, lambda r: _multiple(r, 40))),
     Target("decode at 128k against the 1k rate, same run", 5, ">= 80%", _long_context),
