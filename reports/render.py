@@ -145,16 +145,16 @@ def targets_section(records: list[dict]) -> Section:
     s.blocks.append("The issues' targets, each judged on its latest reading in the records (`reports/targets.py` "
                     "says which records measure each and how): a speed target only on the H200, at the 48B-A3B "
                     "preset or the kernel shapes its issue names; the gates at their default precision.")
-    rows, cited = [], []
+    rows, cited = [], {}
     for st in targets.judge(records):
         latest = st.latest
         rows.append([str(st.target.issue), st.target.name, st.target.bar, latest.text if latest else "—",
                      st.verdict, st.history,
                      ", ".join(f"{short_id(r)} ({commit(r)}, {when(r):%Y-%m-%d})" for r in latest.records)
                      if latest else "—"])
-        cited += [r for r in (latest.records if latest else ()) if r["id"] not in {c["id"] for c in cited}]
+        cited.update({r["id"]: r for r in (latest.records if latest else ())})
     s.blocks.append(Table(["issue", "target", "bar", "latest", "verdict", "recent", "record"], rows,
-                          cite(cited) if cited else None))
+                          cite(list(cited.values())) if cited else None))
     return s
 
 
