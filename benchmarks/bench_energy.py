@@ -1,7 +1,7 @@
 """Energy per token of a long prefill, ours against HF + fla, from the board's energy counter over sustained runs.
 
 A prefill of 8k tokens on the H200 runs ours at the board's 700 W power cap for most of the call, while HF + fla
-never reaches it (README, "Targets"): under the cap time is energy over 700 W, so what a faster prefill has to
+never reaches it (docs/RESULTS.md, "Targets"): under the cap time is energy over 700 W, so what a faster prefill has to
 save is joules per token, and the time ratio against a peer that is not capped says less than it seems. This
 measures that currency directly.
 

@@ -13,7 +13,7 @@ Where the sampling runs (`where`):
   its stdin. The timed process only writes those two lines, outside the timed region, so the sampler takes none
   of its interpreter's time. A sampling thread can: each of its NVML reads gives up the GIL and takes it back,
   and an eager 1k prefill, whose host keeps only a few ms ahead of the GPU, may have to win the GIL back from it
-  (README, "Reading a prefill record"). `benchmarks.bench_ab` times the two against no sampler; in run
+  (docs/RESULTS.md, "Reading a prefill record"). `benchmarks.bench_ab` times the two against no sampler; in run
   c9a2b3d32cf8 neither stood out of the host's own noise, at 1k or at 8k.
 - "thread": the same reads on a thread of the timed process (how every record before this module's change was
   sampled); kept for that A/B.

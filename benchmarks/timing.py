@@ -60,7 +60,7 @@ class Samples:
         """How many calls the host paced: its time inside the call was at least HOST_PACED of the GPU's. Such a
         call measures the host (its launch overhead, or a slow spell of its CPU) as much as the GPU: an eager 1k
         prefill of the 48B model on the H200 keeps only a few ms ahead of the GPU, and its slow calls are the ones
-        the host paced (README, "Reading a prefill record"). None off CUDA."""
+        the host paced (docs/RESULTS.md, "Reading a prefill record"). None off CUDA."""
         if self.host_ms is None:
             return None
         return sum(h >= HOST_PACED * g for h, g in zip(self.host_ms, self.samples_ms))

@@ -593,8 +593,8 @@ def test_gpu_early_launches_wait_for_the_kernel_before(launch, monkeypatch):
     """Each early (PDL) launch reads what the kernel just before it writes only once that kernel has finished:
     behind a kernel that lets it start at once and stores its input 50 us later, it gives the plain launch's result,
     eagerly and in CUDA graph replays.
-    Checked on the H200 (1508a73): with the router's or gate_up's wait removed, this test fails (down: see the
-    README's test history). Two things had hidden
+    Checked on the H200 (1508a73): with the router's or gate_up's wait removed, this test fails (down: see
+    docs/RESULTS.md, "The early starts' tests"). Two things had hidden
     that. The module's NaN-poisoning fill put a kernel between the launches, so the launch waited for the fill.
     And eager launches alone passed without the router's wait; the graph replays below are what catch it. So the
     buffers are allocated as the model allocates them."""

@@ -10,11 +10,11 @@ the gate_up kernel reads each (token, slot) pair's row of x straight from x (thr
 holds the gate and up tiles of one column block side by side, and writes only h = silu(gate) * up; the down
 kernel writes the expert outputs in the sorted order that `moe_combine` reads. Row tiles are BM rows of one
 expert, so an expert with n rows costs ceil(n / BM) tiles (torch's kernel picks its own, larger, tiles).
-What it measured (README, "measured and dropped"): torch's bits, every size; alone, down beats torch's grouped
+What it measured (docs/RESULTS.md, "Measured and dropped"): torch's bits, every size; alone, down beats torch's grouped
 GEMM at 1k, 8k and 32k tokens (at 8k with TMA and persistent programs 0.725 against 0.856 ms, `75032a08`) and
 gate_up beats dispatch + grouped GEMM + silu_mul at 1k and ties at 8k; in the model's whole prefill, timed in
 interleaved rounds by `benchmarks.bench_ab`, no variant gained (8k within 0.6% either way, 32k up to 3% slower,
-1k 6-17% slower; records cited in the README): at 8k and 32k the prefill runs at the board's power cap with the
+1k 6-17% slower; records cited there): at 8k and 32k the prefill runs at the board's power cap with the
 clock lowered, so `CONFIG["use"]` is empty.
 
 Tiles: `expert_tiles` lays out, on the device and without a host sync, the row tiles of every expert in order;
