@@ -266,8 +266,8 @@ def speed_section(bench: list[dict], out: Path) -> Section:
             if get(r, "results.roofline_fraction"):
                 lines[("roofline", series_label(r))].append(
                     (get(r, "params.context"), get(r, "results.tok_s") / get(r, "results.roofline_fraction")))
-        for r in peers.values():
-            lines[(get(r, "results.peer"), series_label(r))].append(
+        for r in peers.values():  # a record that measured a peer without naming it still draws, as "peer"
+            lines[(get(r, "results.peer", "peer"), series_label(r))].append(
                 (get(r, "params.context"), peer_rate(r)))
         for (who, label), points in sorted(lines.items()):
             x, y = zip(*sorted(points))

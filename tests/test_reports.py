@@ -428,3 +428,16 @@ def test_paced_text_says_how_many_timed_calls_the_host_paced():
     assert paced_text(r) == "; host-paced 2/3"
     assert peer_clock(r) == "; host-paced 0/1"          # no peer clocks in this record, only its pacing
     assert paced_text({"results": {"tok_s": 1.0}}) == ""  # decode steps, CPU runs, older records
+
+
+def test_a_peer_without_a_name_is_drawn_as_peer(tmp_path):
+    """A bench record with a peer's rate but no results.peer (hand-made, or from an older harness) must not take the
+    report down: its series is named "peer"."""
+    from records import store
+    root = tmp_path / "rec"
+    store.append(store.make_record("bench", preset="tiny", dtype="float32", device="cpu", weights=None,
+                                   params=dict(phase="decode", context=64, impl="ours-graph"),
+                                   results=dict(tok_s=100.0, peer_tok_s=10.0)), root=root)
+    sections = render.render(records_root=root, out=tmp_path / "out")
+    speed = next(s for s in sections if s.title.startswith("Speed against"))
+    assert any(isinstance(b, render.Figure) for b in speed.blocks)
