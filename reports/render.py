@@ -515,12 +515,6 @@ def kernel_label(r: dict) -> str:
     return f"{name} {rest} {r['dtype'] or params.get('dtype', '')}".strip()
 
 
-def variant_keys(r: dict) -> set[str]:
-    """The parameter keys that name what ran, beyond the op: shape keys and variant keys alike."""
-    return {k for k in (r["params"] or {}) if k not in ("op", "kernel", "dtype", "cfg", "sweep")
-            and not k.endswith("_scope")}
-
-
 def superseded(latest: list[dict]) -> list[dict]:
     """Records of an experiment variant that the newest run of the same op and GPU dropped: a record whose parameters
     name a key (say `prep=blocked`) that no record of that newest run (the newest record's commit) carries. Shapes
@@ -537,8 +531,8 @@ def superseded(latest: list[dict]) -> list[dict]:
     keys = {}
     for r in latest:
         if run(r) == run(newest[op(r)]):
-            keys.setdefault(op(r), set()).update(variant_keys(r))
-    return [r for r in latest if run(r) != run(newest[op(r)]) and variant_keys(r) - keys[op(r)]]
+            keys.setdefault(op(r), set()).update(targets.variant_keys(r))
+    return [r for r in latest if run(r) != run(newest[op(r)]) and targets.variant_keys(r) - keys[op(r)]]
 
 
 def kernels_section(kernels: list[dict], out: Path) -> Section:

@@ -128,13 +128,23 @@ def _memory(records) -> list[Reading]:
     return out
 
 
+KERNEL_SHAPE = {"B", "T", "H", "d"}  # what a bench_kernels default record names beside its op
+
+
+def variant_keys(r: dict) -> set[str]:
+    """The parameter keys of a kernel record that name what ran, beyond the op: shape keys and variant keys alike
+    (not the launch `cfg`, the sweep flag, the dtype, or the prose `*_scope` notes)."""
+    return {k for k in (r["params"] or {}) if k not in ("op", "kernel", "dtype", "cfg", "sweep")
+            and not k.endswith("_scope")}
+
+
 def _kernel(op: str, **shape):
-    """Our default-config kernel records of op at one shape (no sweep, no A/B variant), on the H200."""
+    """Our default-config kernel records of op at one shape, on the H200: not a sweep, and naming nothing beyond
+    the shape (an A/B variant names what it changed, say `prep=blocked`)."""
     def select(records):
         return sorted((r for r in records if r["kind"] == "kernel" and _on_gpu(r) and get(r, "params.op") == op
                        and all(get(r, f"params.{k}") == v for k, v in shape.items())
-                       and not get(r, "params.sweep") and get(r, "params.prep") is None
-                       and get(r, "params.prec") is None), key=lambda r: r["time"])
+                       and not get(r, "params.sweep") and variant_keys(r) <= KERNEL_SHAPE), key=lambda r: r["time"])
     return select
 
 
@@ -178,8 +188,11 @@ TARGETS = (
 @dataclass(frozen=True)
 class Status:
     target: Target
-    latest: Reading | None
     recent: tuple  # the last RECENT readings, oldest first
+
+    @property
+    def latest(self) -> Reading | None:
+        return self.recent[-1] if self.recent else None
 
     @property
     def verdict(self) -> str:
@@ -200,5 +213,5 @@ def judge(records: list[dict], targets=TARGETS) -> list[Status]:
     out = []
     for t in targets:
         rs = t.readings(valid)
-        out.append(Status(t, rs[-1] if rs else None, tuple(rs[-RECENT:])))
+        out.append(Status(t, tuple(rs[-RECENT:])))
     return out

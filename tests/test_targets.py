@@ -77,6 +77,9 @@ def test_prefill_multiple_and_kernel_targets():
     chunk = rec("kernel", dict(op="chunk_kda", B=1, T=8192, H=32, d=128), dict(ours_ms=1.19, peer_ms=1.23),
                 preset=None)
     assert status([chunk], "KDA chunk prefill").verdict == "met"
+    variant = rec("kernel", dict(op="chunk_kda", B=1, T=8192, H=32, d=128, prep="blocked"),
+                  dict(ours_ms=2.58, peer_ms=1.59), preset=None)
+    assert status([variant], "KDA chunk prefill").verdict == "no reading"  # an A/B variant is not the default
 
 
 def test_gate_targets_count_the_default_precision_only():
