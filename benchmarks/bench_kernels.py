@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_kernels [--ops chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine]
         [--chunk-T 1024,8192,32768] [--decode-B 1,8,64] [--mla-T 1024,32768,131072] [--prefill-T 8192] [--rep-ms 200]
-        [--chunk-sweep] [--decode-sweep] [--conv-sweep]
+        [--chunk-sweep] [--decode-sweep] [--conv-sweep] [--sweep-keys scan_stages,prep_stages]
     python -m benchmarks.bench_kernels --ops moe_decode [--moe-N 1,8] [--moe-sweep]
     python -m benchmarks.bench_kernels --ops moe_prefill [--prefill-T 8192]
     python -m benchmarks.bench_kernels --ops mla_decode_layout [--mla-T 1056,8192]
@@ -319,7 +319,7 @@ DECODE_SWEEP = ([dict(grid="strided", BV=bv, num_warps=nw) for bv in (8, 16, 32,
 DECODE_SWEEP_TOL = 1e-3
 
 
-def decode_sweep(B: int, device: str = "cuda") -> list[dict]:
+def decode_sweep(B: int, device: str = "cuda", keys: set[str] | None = None) -> list[dict]:
     """Our decode step at each config of DECODE_SWEEP, timed as the model runs it (`graph_ms` over 32 layers,
     each with its own state and conv taps), the output checked against the default's. One record per config."""
     from model.triton.kda_decode import decode_config, fused_kda_decode
@@ -342,14 +342,17 @@ def decode_sweep(B: int, device: str = "cuda") -> list[dict]:
 
     params = {"op": "kda_decode_step", "B": B, "T": 1, "H": H, "d": D, "dtype": "bfloat16"}
     return sweep(f"kda_decode_step B={B}", DECODE_SWEEP, decode_config(B), lambda cfg: (step(first, cfg),), timed,
-                 DECODE_SWEEP_TOL, params, device)
+                 DECODE_SWEEP_TOL, params, device, keys)
 
 
 def sweep(name: str, configs: list[dict], default: dict, run, timed, tol: float, params: dict,
-          device: str) -> list[dict]:
+          device: str, keys: set[str] | None = None) -> list[dict]:
     """One record per config (params with `sweep` and the whole config): its outputs `run(cfg)` held against the
     default's `run(None)` by relative RMS error, the worst of them, then `timed(cfg)`. A config that fails to compile
-    or run is recorded INVALID and the sweep goes on. Logs the fastest valid config."""
+    or run is recorded INVALID and the sweep goes on. Logs the fastest valid config. `keys` (--sweep-keys): only the
+    configs that change nothing outside these keys."""
+    if keys is not None:
+        configs = [cfg for cfg in configs if set(cfg) <= keys]
     ref = run(None)
     recs, best = [], None
     for cfg in configs:
@@ -381,13 +384,14 @@ CHUNK_SWEEP = ([dict(chunk=c, prep_warps=w) for c in (16, 32, 64) for w in (1, 2
                + [dict(slice=s) for s in (32, 128)]
                + [dict(scan_bv=bv, scan_warps=w, scan_dots=d) for d in ("tf32", "bf16") for bv in (16, 32, 64)
                   for w in (4, 8)]
-               + [dict(prep_dots="bf16", prep_warps=w) for w in (1, 2, 4)])
+               + [dict(prep_dots="bf16", prep_warps=w) for w in (1, 2, 4)]
+               + [dict(scan_stages=n) for n in (1, 3)] + [dict(prep_stages=n) for n in (1, 2)])
 # bf16 outputs of two configs differ by the order of fp32 sums and tf32 roundings (relative RMS about 1e-3 against
 # fp64, tests/test_triton_kda.py); a wrong block or missing term gives errors of order 1
 CHUNK_SWEEP_TOL = 1e-2
 
 
-def chunk_sweep(T: int, rep_ms: int, device: str = "cuda") -> list[dict]:
+def chunk_sweep(T: int, rep_ms: int, device: str = "cuda", keys: set[str] | None = None) -> list[dict]:
     """Our chunk prefill at each config of CHUNK_SWEEP (do_bench: a kernel pair of milliseconds), output and final
     state checked against the default config's. One record per config."""
     from model.triton.kda_chunk import CONFIG, chunk_kda_fwd
@@ -399,7 +403,7 @@ def chunk_sweep(T: int, rep_ms: int, device: str = "cuda") -> list[dict]:
     params = {"op": "chunk_kda", "B": 1, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
     return sweep(f"chunk_kda T={T}", CHUNK_SWEEP, CONFIG, run,
                  lambda cfg: {"ours_ms": gpu_ms(lambda: run(cfg), rep_ms), "timing": "do_bench"},
-                 CHUNK_SWEEP_TOL, params, device)
+                 CHUNK_SWEEP_TOL, params, device, keys)
 
 
 MLA_LAYERS = 7  # the 48B-A3B's MLA layers: calls per timed graph
@@ -657,7 +661,7 @@ CONV_SWEEP = [dict(BT=32, BC=64, num_warps=2), dict(BT=32, BC=64, num_warps=4), 
               dict(BT=64, BC=64, num_warps=4), dict(BT=16, BC=256, num_warps=4), dict(BT=32, BC=128, num_warps=8)]
 
 
-def conv_sweep(T: int, rep_ms: int, device: str = "cuda") -> list[dict]:
+def conv_sweep(T: int, rep_ms: int, device: str = "cuda", keys: set[str] | None = None) -> list[dict]:
     """The prefill conv at each tile config of CONV_SWEEP (do_bench). One record per config."""
     from model.triton import conv
     x, w, taps = conv_inputs(T, device)
@@ -667,7 +671,8 @@ def conv_sweep(T: int, rep_ms: int, device: str = "cuda") -> list[dict]:
 
     params = {"op": "causal_conv1d", "B": 1, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
     return sweep(f"causal_conv1d T={T}", CONV_SWEEP, conv.CONFIG, run,
-                 lambda cfg: {"ours_ms": gpu_ms(lambda: run(cfg), rep_ms), "timing": "do_bench"}, 0.0, params, device)
+                 lambda cfg: {"ours_ms": gpu_ms(lambda: run(cfg), rep_ms), "timing": "do_bench"}, 0.0, params, device,
+                 keys)
 
 
 def combine_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
@@ -1097,6 +1102,8 @@ def main(argv=None) -> None:
                     help="chunk_kda: also time every config of CHUNK_SWEEP at each --chunk-T")
     ap.add_argument("--conv-sweep", action="store_true",
                     help="causal_conv1d: also time every tile config of CONV_SWEEP at each --prefill-T")
+    ap.add_argument("--sweep-keys", type=lambda s: set(s.split(",")), default=None,
+                    help="comma-separated config keys: the sweeps run only the configs that change nothing else")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
@@ -1113,19 +1120,19 @@ def main(argv=None) -> None:
     recs = [run_case("chunk_kda", 1, T, peer, peer_missing, args.rep_ms) for T in args.chunk_T if "chunk_kda" in ops]
     if args.chunk_sweep and "chunk_kda" in ops:
         for T in args.chunk_T:
-            chunk_sweep(T, args.rep_ms)
+            chunk_sweep(T, args.rep_ms, keys=args.sweep_keys)
     recs += [run_case("kda_decode_step", B, 1, peer, peer_missing, args.rep_ms)
              for B in args.decode_B if "kda_decode_step" in ops]
     if args.decode_sweep and "kda_decode_step" in ops:
         for B in args.decode_B:
-            decode_sweep(B)
+            decode_sweep(B, keys=args.sweep_keys)
     recs += [run_case("mla_decode", 1, T, None, None, args.rep_ms) for T in args.mla_T if "mla_decode" in ops]
     recs += [run_case(op, 1, T, None, None, args.rep_ms)
              for T in args.prefill_T for op in TORCH_PEER_CASES if op in ops]
     summarize(recs)
     if args.conv_sweep and "causal_conv1d" in ops:
         for T in args.prefill_T:
-            conv_sweep(T, args.rep_ms)
+            conv_sweep(T, args.rep_ms, keys=args.sweep_keys)
     if "mla_absorb" in ops:
         mla_absorb_sweep()
     if "mla_decode_layout" in ops:

@@ -557,6 +557,9 @@ def test_chunk_sweep_plumbing_and_its_check(records_dir, monkeypatch):
     assert "differs from the default config" in recs[3]["reasons"][0]
     assert recs[1]["params"]["cfg"] == {**kda_chunk.CONFIG, "slice": 16}
     assert len(load(kinds="kernel", root=records_dir).records) == 4
+    # --sweep-keys: only the configs that change nothing outside the keys named
+    recs = bk.chunk_sweep(70, rep_ms=1, device="cpu", keys={"scan_bv", "scan_warps"})
+    assert [r["params"]["cfg"]["scan_bv"] for r in recs] == [16]
 
 
 def test_conv_sweep_plumbing_and_its_exact_check(records_dir, monkeypatch):

@@ -588,14 +588,16 @@ def sm90_spills() -> dict:
                             "T": "i32", "NT": "i32", "scale": "fp32"},
                            dict(H=32, K=128, V=128, BT=c["chunk"], BK=c["slice"], LOG2_BT=c["chunk"].bit_length() - 1,
                                 L2NORM=True, PREC=prec, S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128,
-                                S_G=32 * 128, BF16_DOTS=bf16_dots, COMPILED=True), num_warps=c["prep_warps"])
+                                S_G=32 * 128, BF16_DOTS=bf16_dots, COMPILED=True), num_warps=c["prep_warps"],
+                           num_stages=c["prep_stages"])
 
     def chunk_scan(io, prec, bf16_dots):
         return stack_bytes(kc._kda_chunk_scan_kernel,
                            {**dict.fromkeys(["w", "qw", "kd", "u", "ou", "o"], io),
                             **dict.fromkeys(["eglast", "h0", "ht"], f32), "T": "i32", "NT": "i32"},
                            dict(H=32, K=128, V=128, BT=c["chunk"], BV=c["scan_bv"], HAS_H0=True, STORE_HT=True,
-                                PREC=prec, BF16_DOTS=bf16_dots, COMPILED=True), num_warps=c["scan_warps"], num_stages=1)
+                                PREC=prec, BF16_DOTS=bf16_dots, COMPILED=True, STAGES=c["scan_stages"]),
+                           num_warps=c["scan_warps"])
 
     decode_sig = {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf), "A_log": f32, "dt_bias": f32, "b_raw": bf,
                   "state": f32, "o": bf, "out_gate": bf, "norm_w": bf}

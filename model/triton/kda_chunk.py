@@ -56,7 +56,8 @@ import model.triton as mt
 # Launch config: the chunk length (BT, a power of two in [16, 64]), the prep kernel's column slice and warps, the
 # scan kernel's state columns per program and warps, and the dot operands of either kernel for bf16/fp16 inputs
 # (see "Precision"; fp32 inputs always take tf32x3). See the module docstring for how they were picked.
-CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=4, prep_dots="bf16", scan_dots="bf16")
+CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=4, prep_dots="bf16", scan_dots="bf16",
+              prep_stages=3, scan_stages=2)
 
 
 @triton.jit
@@ -68,10 +69,10 @@ def _load_rows(p0, n_live, SHIFT: tl.constexpr, STRIDE: tl.constexpr, BT: tl.con
 
 
 @triton.jit
-def _rounded(x, dtype: tl.constexpr):
-    """fp32 x as dtype, bf16 rounded to nearest even by hand: CUDA rounds so, Triton's interpreter
-    truncates, and the CPU tests should see the GPU's error, not a bias."""
-    if dtype == tl.bfloat16:
+def _rounded(x, dtype: tl.constexpr, COMPILED: tl.constexpr = False):
+    """fp32 x as dtype, rounded to nearest even: compiled, by the GPU's own conversion; interpreted, bf16 by hand,
+    as Triton's interpreter truncates and the CPU tests should see the GPU's error, not a bias."""
+    if dtype == tl.bfloat16 and not COMPILED:
         b = x.to(tl.uint32, bitcast=True)
         x = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
     return x.to(dtype)
@@ -198,26 +199,49 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         e_G = tl.exp(G)
         out = r[:, None] * K + kk + cb[None, :]
         b_w = _dot(Tm, k_s * (b_beta[:, None] * e_G), PREC, BF16_DOTS, COMPILED)
-        tl.store(w + slab * K + out, _rounded(b_w, w.dtype.element_ty))
+        tl.store(w + slab * K + out, _rounded(b_w, w.dtype.element_ty, COMPILED))
         tl.store(qw + slab * K + out,
-                 _rounded(q_s * e_G - _dot(Aqk, b_w, PREC, BF16_DOTS, COMPILED), qw.dtype.element_ty))
+                 _rounded(q_s * e_G - _dot(Aqk, b_w, PREC, BF16_DOTS, COMPILED), qw.dtype.element_ty, COMPILED))
         # g_{t+1} + ... + g_last, summed from the end (not G_last - G_t)
         to_end = tl.cumsum(_load_rows(g0 + kk, n_live, 1, S_G, BT, BK), axis=0, reverse=True)
-        tl.store(kd + slab * K + out, _rounded(k_s * tl.exp(to_end), kd.dtype.element_ty))
+        tl.store(kd + slab * K + out, _rounded(k_s * tl.exp(to_end), kd.dtype.element_ty, COMPILED))
         G_last = tl.sum(tl.where((r == BT - 1)[:, None], G, 0.), axis=0)  # padded rows add g = 0
         tl.store(eglast + (i_bh.to(tl.int64) * NT + i_t) * K + kk + cb, tl.exp(G_last))
     for vv in range(0, V, BK):
         b_u = _dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None], PREC, BF16_DOTS, COMPILED)
         out = r[:, None] * V + vv + cb[None, :]
-        tl.store(u + slab * V + out, _rounded(b_u, u.dtype.element_ty))
-        tl.store(ou + slab * V + out, _rounded(_dot(Aqk, b_u, PREC, BF16_DOTS, COMPILED), ou.dtype.element_ty))
+        tl.store(u + slab * V + out, _rounded(b_u, u.dtype.element_ty, COMPILED))
+        tl.store(ou + slab * V + out, _rounded(_dot(Aqk, b_u, PREC, BF16_DOTS, COMPILED), ou.dtype.element_ty, COMPILED))
+
+
+@triton.jit
+def _scan_chunk(S, n, w, qw, kd, u, ou, eglast, o, T, NT, i_b, i_h, i_bh,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                PREC: tl.constexpr, BF16_DOTS: tl.constexpr, COMPILED: tl.constexpr):
+    """Chunk n of the scan: loads its operands, stores its o, returns the state after it."""
+    r = tl.arange(0, BT)
+    ck = tl.arange(0, K)
+    cv = tl.program_id(0) * BV + tl.arange(0, BV)
+    slab = (i_bh.to(tl.int64) * NT + n) * BT
+    b_w = tl.load(w + slab * K + r[:, None] * K + ck[None, :])  # fp32 or bf16, widened where used
+    b_qw = tl.load(qw + slab * K + r[:, None] * K + ck[None, :])
+    b_kd = tl.load(kd + slab * K + r[:, None] * K + ck[None, :])
+    b_u = tl.load(u + slab * V + r[:, None] * V + cv[None, :])
+    b_ou = tl.load(ou + slab * V + r[:, None] * V + cv[None, :])
+    b_eg = tl.load(eglast + (i_bh.to(tl.int64) * NT + n) * K + ck)
+    v_new = b_u.to(tl.float32) - _dot(b_w, S, PREC, BF16_DOTS, COMPILED)
+    b_o = b_ou.to(tl.float32) + _dot(b_qw, S, PREC, BF16_DOTS, COMPILED)
+    t = n * BT + r
+    p_o = o + ((i_b.to(tl.int64) * T + n * BT) * H + i_h) * V + r[:, None] * (H * V) + cv[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
+    return S * b_eg[:, None] + _dot(tl.trans(b_kd), v_new, PREC, BF16_DOTS, COMPILED)
 
 
 @triton.jit
 def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                        BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
-                       BF16_DOTS: tl.constexpr, COMPILED: tl.constexpr):
+                       BF16_DOTS: tl.constexpr, COMPILED: tl.constexpr, STAGES: tl.constexpr):
     """Inter-chunk recurrence and output. Grid (V // BV, B*H); one program = one head's V-block.
 
     The fp32 state block S [K, BV] stays in registers while the program walks the NT chunks in order;
@@ -225,49 +249,32 @@ def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
         v_new = u - w S;   o = qw S + ou;   S <- eglast[:, None] * S + kd^T v_new
     (three dots per chunk, `_dot`: with BF16_DOTS, S and v_new enter them rounded to bf16, as in fla's scan; the
     carried S stays fp32). The final S is the final state.
+    Compiled, the walk is Triton's software-pipelined loop: it loads the next STAGES - 1 chunks into shared memory
+    while this one computes (1: no prefetch, each chunk's loads wait for the chunk before). Interpreted, a while
+    loop (Triton 3.6's interpreter cannot iterate range() over a runtime bound with NumPy >= 2.4); both run
+    `_scan_chunk`, the same arithmetic.
     """
-    i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    r = tl.arange(0, BT)
     ck = tl.arange(0, K)
-    cv = i_v * BV + tl.arange(0, BV)
+    cv = tl.program_id(0) * BV + tl.arange(0, BV)
     state_off = ck[:, None] * V + cv[None, :]
     head = i_bh.to(tl.int64) * K * V
-    k_off = r[:, None] * K + ck[None, :]
-    v_off = r[:, None] * V + cv[None, :]
 
     S = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + head + state_off)
-    # Each iteration ends by loading the next chunk (the last one rereads itself, unused): the loads
-    # are loop-carried, which measured faster and spills less than loading at the top of the body.
-    # A while loop: Triton 3.6's interpreter cannot iterate range() over a runtime bound (NumPy >= 2.4).
-    slab = i_bh.to(tl.int64) * NT * BT
-    b_w = tl.load(w + slab * K + k_off)  # fp32 or bf16, widened where used
-    b_qw = tl.load(qw + slab * K + k_off)
-    b_kd = tl.load(kd + slab * K + k_off)
-    b_u = tl.load(u + slab * V + v_off)
-    b_ou = tl.load(ou + slab * V + v_off)
-    b_eg = tl.load(eglast + i_bh.to(tl.int64) * NT * K + ck)
-    n = 0
-    while n < NT:
-        v_new = b_u.to(tl.float32) - _dot(b_w, S, PREC, BF16_DOTS, COMPILED)
-        b_o = b_ou.to(tl.float32) + _dot(b_qw, S, PREC, BF16_DOTS, COMPILED)
-        t = n * BT + r
-        p_o = o + ((i_b.to(tl.int64) * T + n * BT) * H + i_h) * V + r[:, None] * (H * V) + cv[None, :]
-        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
-        S = S * b_eg[:, None] + _dot(tl.trans(b_kd), v_new, PREC, BF16_DOTS, COMPILED)
-        nxt = tl.minimum(n + 1, NT - 1)
-        slab = (i_bh.to(tl.int64) * NT + nxt) * BT
-        b_w = tl.load(w + slab * K + k_off)
-        b_qw = tl.load(qw + slab * K + k_off)
-        b_kd = tl.load(kd + slab * K + k_off)
-        b_u = tl.load(u + slab * V + v_off)
-        b_ou = tl.load(ou + slab * V + v_off)
-        b_eg = tl.load(eglast + (i_bh.to(tl.int64) * NT + nxt) * K + ck)
-        n += 1
+    if COMPILED:
+        for n in tl.range(0, NT, num_stages=STAGES):
+            S = _scan_chunk(S, n, w, qw, kd, u, ou, eglast, o, T, NT, i_b, i_h, i_bh,
+                            H, K, V, BT, BV, PREC, BF16_DOTS, COMPILED)
+    else:
+        n = 0
+        while n < NT:
+            S = _scan_chunk(S, n, w, qw, kd, u, ou, eglast, o, T, NT, i_b, i_h, i_bh,
+                            H, K, V, BT, BV, PREC, BF16_DOTS, COMPILED)
+            n += 1
     if STORE_HT:
         tl.store(ht + head + state_off, S)
 
@@ -349,12 +356,13 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
                                      H=H, K=K, V=V, BT=BT, BK=min(c["slice"], K, V), LOG2_BT=BT.bit_length() - 1,
                                      L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
                                      BF16_DOTS=not exact and c["prep_dots"] == "bf16",
-                                     COMPILED=mt.compiled(_kda_chunk_prep_kernel), num_warps=c["prep_warps"])
+                                     COMPILED=mt.compiled(_kda_chunk_prep_kernel), num_warps=c["prep_warps"],
+                                     num_stages=c["prep_stages"])
     BV = min(V, c["scan_bv"])
     _kda_chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                                           H=H, K=K, V=V, BT=BT, BV=BV, HAS_H0=h0 is not None,
                                           STORE_HT=ht is not None, PREC=prec,
                                           BF16_DOTS=not exact and c["scan_dots"] == "bf16",
-                                          COMPILED=mt.compiled(_kda_chunk_scan_kernel),
-                                          num_warps=c["scan_warps"], num_stages=1)
+                                          COMPILED=mt.compiled(_kda_chunk_scan_kernel), STAGES=c["scan_stages"],
+                                          num_warps=c["scan_warps"])
     return o, ht

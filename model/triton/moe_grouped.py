@@ -48,14 +48,6 @@ CONFIG = dict(use=(), n_fastest=True,
 
 
 @triton.jit
-def _to(x, dtype: tl.constexpr, COMPILED: tl.constexpr):
-    """fp32 x rounded to dtype, to nearest even: the interpreter's cast truncates (`kda_chunk._rounded`)."""
-    if COMPILED:
-        return x.to(dtype)
-    return _rounded(x, dtype)
-
-
-@triton.jit
 def _dot(a, b, acc, COMPILED: tl.constexpr):
     """acc + a @ b on tensor cores; under the interpreter (whose bf16 tl.dot is wrong in Triton 3.6) the same bf16
     values as fp32 in an IEEE dot: the same exact products, summed in another order."""
@@ -114,9 +106,9 @@ def _gate_up_silu_tile(p, x, order, w, w_desc, h, tile_e, tile_r0, offs, n_tiles
             acc_g = _dot(a, b_g, acc_g, COMPILED)
             acc_u = _dot(a, b_u, acc_u, COMPILED)
         dt = h.dtype.element_ty
-        g = _to(acc_g, dt, COMPILED).to(tl.float32)
-        s = _to(_silu_f32(g, COMPILED), dt, COMPILED).to(tl.float32)
-        out = _to(s * _to(acc_u, dt, COMPILED).to(tl.float32), dt, COMPILED)
+        g = _rounded(acc_g, dt, COMPILED).to(tl.float32)
+        s = _rounded(_silu_f32(g, COMPILED), dt, COMPILED).to(tl.float32)
+        out = _rounded(s * _rounded(acc_u, dt, COMPILED).to(tl.float32), dt, COMPILED)
         tl.store(h + r.to(tl.int64)[:, None] * I + n[None, :], out, mask=live[:, None] & m_n[None, :])
 
 
@@ -174,7 +166,7 @@ def _down_tile(p, h, h_desc, w, w_desc, out, tile_e, tile_r0, offs, n_tiles, D: 
                 a = tl.load(a_p + k0, mask=live[:, None] & m_k[None, :], other=0.)
                 b = tl.load(b_p + k0, mask=m_k[:, None] & m_n[None, :], other=0.)
             acc = _dot(a, b, acc, COMPILED)
-        tl.store(out + r64[:, None] * D + n[None, :], _to(acc, out.dtype.element_ty, COMPILED),
+        tl.store(out + r64[:, None] * D + n[None, :], _rounded(acc, out.dtype.element_ty, COMPILED),
                  mask=live[:, None] & m_n[None, :])
 
 
