@@ -57,7 +57,7 @@ import model.triton as mt
 # scan kernel's state columns per program and warps, and the dot operands of either kernel for bf16/fp16 inputs
 # (see "Precision"; fp32 inputs always take tf32x3). See the module docstring for how they were picked.
 CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=4, prep_dots="bf16", scan_dots="bf16",
-              prep_stages=3, scan_stages=2)
+              prep_stages=3, scan_stages=3)
 
 
 @triton.jit
