@@ -385,7 +385,8 @@ CHUNK_SWEEP = ([dict(chunk=c, prep_warps=w) for c in (16, 32, 64) for w in (1, 2
                + [dict(scan_bv=bv, scan_warps=w, scan_dots=d) for d in ("tf32", "bf16") for bv in (16, 32, 64)
                   for w in (4, 8)]
                + [dict(prep_dots="bf16", prep_warps=w) for w in (1, 2, 4)]
-               + [dict(scan_stages=n) for n in (1, 2, 4)] + [dict(prep_stages=n) for n in (1, 2)])
+               + [dict(scan_stages=n) for n in (1, 2, 4)] + [dict(prep_stages=n) for n in (1, 2)]
+               + [dict(prep_maxnreg=r, prep_stages=n) for r in (128, 168) for n in (1, 3)])
 # bf16 outputs of two configs differ by the order of fp32 sums and tf32 roundings (relative RMS about 1e-3 against
 # fp64, tests/test_triton_kda.py); a wrong block or missing term gives errors of order 1
 CHUNK_SWEEP_TOL = 1e-2

@@ -57,7 +57,7 @@ import model.triton as mt
 # scan kernel's state columns per program and warps, and the dot operands of either kernel for bf16/fp16 inputs
 # (see "Precision"; fp32 inputs always take tf32x3). See the module docstring for how they were picked.
 CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=4, prep_dots="bf16", scan_dots="bf16",
-              prep_stages=3, scan_stages=3)
+              prep_stages=3, prep_maxnreg=None, scan_stages=3)
 
 
 @triton.jit
@@ -357,7 +357,7 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
                                      L2NORM=bool(l2norm_qk), PREC=prec, S_Q=s_q, S_K=s_k, S_V=s_v, S_G=s_g,
                                      BF16_DOTS=not exact and c["prep_dots"] == "bf16",
                                      COMPILED=mt.compiled(_kda_chunk_prep_kernel), num_warps=c["prep_warps"],
-                                     num_stages=c["prep_stages"])
+                                     num_stages=c["prep_stages"], maxnreg=c["prep_maxnreg"])
     BV = min(V, c["scan_bv"])
     _kda_chunk_scan_kernel[(V // BV, BH)](w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
                                           H=H, K=K, V=V, BT=BT, BV=BV, HAS_H0=h0 is not None,
