@@ -40,6 +40,18 @@ tokens, one key at a time from the tf32 default above (1.441 ms `13b829a1`; fla 
 `e9b5044e`): the scan with bf16 dots 1.244 ms at 4 warps `5565f1f0` (1.353 at 8 `59808207`, 1.281 with 16
 columns `783d7feb`), the prep with bf16 dots 1.388 ms `31f08412`. Both are the default now; the pair together
 was not in that sweep, and the benchmark's default case times it.
+The scan's walk is software-pipelined (scan_stages): a chunk's loads wait on nothing of the chunk before, so
+Triton's pipeliner brings the next chunks' w, qw, kd, u, ou into shared memory while this one computes; unpipelined,
+each chunk's loads were issued after the state update and their latency sat on the walk's critical path. At 8192
+tokens (sweep of 5513998, prep and scan together): three stages 0.969 ms `e3b5c28d`, four 0.974 `4f956d9b`, two
+1.140 `cbc8bf87`, one (no prefetch) 1.170 `eb32d5e5`; the loop before, its loads at the end of the body, took
+1.194 ms in the run of 014c1f5 `873e35a9`.
+In the whole 48B bf16 prefill at 8192 tokens, two stages took 1.035x the time of three (paired median of 6 rounds,
+1.003 to 1.091, the same bits, `c23af6ea`).
+A register cap on the prep kernel (prep_maxnreg) trades spills for programs per SM: 168 registers with one stage
+timed 0.913 ms `4f83b312`, at the default three stages 0.944 `2b2d393c` (128 registers: 1.071 `c15cba20`), but in
+the whole prefill 168 registers at three stages took 1.007x the default's time (0.87 to 1.06, `1834c076`), so the
+default leaves the compiler's 255.
 Measured and removed: a "blocked" prep (the pairs inside 16-row sub-blocks by a walk of decay products instead
 of the four small levels' tl.dots, their inverse by forward substitution) was slower at every length and
 config: 8192 tokens 2.81 ms at best `31edc9ae`, 3.24 ms at the default tiles `50b812e5`. The dots of the small
@@ -54,8 +66,9 @@ import triton.language as tl
 import model.triton as mt
 
 # Launch config: the chunk length (BT, a power of two in [16, 64]), the prep kernel's column slice and warps, the
-# scan kernel's state columns per program and warps, and the dot operands of either kernel for bf16/fp16 inputs
-# (see "Precision"; fp32 inputs always take tf32x3). See the module docstring for how they were picked.
+# scan kernel's state columns per program and warps, the dot operands of either kernel for bf16/fp16 inputs
+# (see "Precision"; fp32 inputs always take tf32x3), the prep's pipeline stages and register cap (None: the
+# compiler's), the scan's pipeline stages. See the module docstring for how they were picked.
 CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=4, prep_dots="bf16", scan_dots="bf16",
               prep_stages=3, prep_maxnreg=None, scan_stages=3)
 
