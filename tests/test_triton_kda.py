@@ -851,6 +851,23 @@ def test_gpu_chunk_tf32_dots(B, T, no_tf32):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 65), (1, 4096), (4, 1000)])
+def test_gpu_chunk_scan_stages_give_the_same_bits(B, T, dtype):
+    """The scan's pipeline stages move loads, not arithmetic: every stage count gives the default's bits (the
+    interpreter always runs the plain loop, so only the GPU can check this); and a changed input is seen."""
+    q, k, v, g, beta, h0 = kda_inputs(B, T, 32, 128, 128, "model", T, DTYPES[dtype])
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+    for stages in (1, 2, 4):
+        o_s, ht_s = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=dict(scan_stages=stages))
+        assert torch.equal(o_s, o) and torch.equal(ht_s, ht), f"scan_stages={stages}"
+    v[:, -1] += 1  # the comparison can fail: the last token's value reaches its o and the final state
+    o_s, ht_s = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=dict(scan_stages=1))
+    assert not torch.equal(o_s, o) and not torch.equal(ht_s, ht)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("regime", ["near0", "minus5", "minus1000", "spikes", "mixed"])
 def test_gpu_chunk_saturated_gates(regime):
     q, k, v, g, beta, h0 = kda_inputs(1, 4096, 32, 128, 128, regime, 11)
