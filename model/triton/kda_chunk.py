@@ -224,7 +224,8 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
         b_u = _dot(Tm, _load_rows(v0 + vv, n_live, 0, S_V, BT, BK) * b_beta[:, None], PREC, BF16_DOTS, COMPILED)
         out = r[:, None] * V + vv + cb[None, :]
         tl.store(u + slab * V + out, _rounded(b_u, u.dtype.element_ty, COMPILED))
-        tl.store(ou + slab * V + out, _rounded(_dot(Aqk, b_u, PREC, BF16_DOTS, COMPILED), ou.dtype.element_ty, COMPILED))
+        tl.store(ou + slab * V + out,
+                 _rounded(_dot(Aqk, b_u, PREC, BF16_DOTS, COMPILED), ou.dtype.element_ty, COMPILED))
 
 
 @triton.jit
