@@ -223,6 +223,8 @@ def chunk_case(T: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
     if not (torch.isfinite(o).all() and torch.isfinite(ht).all()):
         reasons.append("ours produced non-finite values")
     if peer is not None:
+        # fla 0.6.0 autotunes its KDA kernels on keys without T and keeps the result on disk (FLA_CACHE_RESULTS): at
+        # this length it may run the config tuned at another (its readings move; "Targets" in docs/RESULTS.md)
         def theirs():
             return peer[0](q, k, v, g, beta, scale=D ** -0.5, initial_state=h0, output_final_state=True,
                            use_qk_l2norm_in_kernel=True)
