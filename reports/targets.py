@@ -39,12 +39,16 @@ def _on_gpu(r: dict) -> bool:
     return str(get(r, "machine.gpu", "")).startswith(GPU)
 
 
+def _oldest_first(records, keep: Callable[[dict], bool]) -> list[dict]:
+    return sorted((r for r in records if keep(r)), key=lambda r: r["time"])
+
+
 def _bench(records, phase: str, context: int, peer: str, impl: str) -> list[dict]:
     """The 48B's bf16 bench records of one phase, context, peer and implementation, on the H200, oldest first."""
-    return sorted((r for r in records if r["kind"] == "bench" and _on_gpu(r) and r.get("preset") == "48b-a3b"
-                   and r.get("dtype") == "bfloat16" and get(r, "params.phase") == phase
-                   and get(r, "params.context") == context and get(r, "params.peer") == peer
-                   and get(r, "params.impl") == impl), key=lambda r: r["time"])
+    return _oldest_first(records, lambda r: (
+        r["kind"] == "bench" and _on_gpu(r) and r.get("preset") == "48b-a3b" and r.get("dtype") == "bfloat16"
+        and get(r, "params.phase") == phase and get(r, "params.context") == context
+        and get(r, "params.peer") == peer and get(r, "params.impl") == impl))
 
 
 def _figure(r: dict, field: str, bar: float, text: Callable[[float, dict], str]) -> Reading | None:
@@ -70,8 +74,7 @@ def _multiple(r: dict, bar: float) -> Reading | None:
 def _long_context(records) -> list[Reading]:
     """Decode at 128k against the 1k rate of the same run (params.run): one reading per run that made both."""
     by_run = defaultdict(dict)
-    for r in _bench(records, "decode", 1024, "hf", "ours-graph") + _bench(records, "decode", 131072, "hf",
-                                                                          "ours-graph"):
+    for r in _decode_1k(records) + _bench(records, "decode", 131072, "hf", "ours-graph"):
         if get(r, "params.run") is not None and get(r, "results.tok_s"):
             by_run[get(r, "params.run")][get(r, "params.context")] = r
     out = []
@@ -89,9 +92,9 @@ def _gate_a(preset: str, device: str):
     """Gate A at the gates' default precision, fp32 (routed experts held in bf16 on a GPU): in bf16 a divergence
     can be rounding, which the gate's own noise-floor control measures, so bf16 runs are not the target's."""
     def select(records):
-        return sorted((r for r in records if r["kind"] == "gate_a" and r.get("preset") == preset
-                       and r.get("device") == device and r.get("dtype") == "float32"
-                       and (device == "cpu" or _on_gpu(r))), key=lambda r: r["time"])
+        return _oldest_first(records, lambda r: (
+            r["kind"] == "gate_a" and r.get("preset") == preset and r.get("device") == device
+            and r.get("dtype") == "float32" and (device == "cpu" or _on_gpu(r))))
 
     def read(r):
         score, total = get(r, "results.score"), get(r, "results.total")
@@ -102,30 +105,30 @@ def _gate_a(preset: str, device: str):
     return _each(select, read)
 
 
-def _gate_b_hf(records) -> list[Reading]:
-    rs = sorted((r for r in records if r["kind"] == "gate_b" and r.get("preset") == "48b-a3b" and _on_gpu(r)
-                 and get(r, "params.golden_source") == "hf"), key=lambda r: r["time"])
-    out = []
-    for r in rs:
-        if get(r, "results.score") is None:
-            continue
-        diagnosed = get(r, "results.diagnoses") is not None  # one per diverging prompt; [] when none diverged
-        out.append(Reading(diagnosed, f"{get(r, 'results.score')}/{get(r, 'results.total')}, "
-                                      f"{len(get(r, 'results.diagnoses') or [])} diagnosis(es)"
-                                      if diagnosed else "score without diagnoses", (r,)))
-    return out
+def _gate_b_read(r: dict) -> Reading | None:
+    if get(r, "results.score") is None:
+        return None
+    diagnosed = get(r, "results.diagnoses") is not None  # one per diverging prompt; [] when none diverged
+    return Reading(diagnosed, f"{get(r, 'results.score')}/{get(r, 'results.total')}, "
+                              f"{len(get(r, 'results.diagnoses') or [])} diagnosis(es)"
+                              if diagnosed else "score without diagnoses", (r,))
 
 
-def _memory(records) -> list[Reading]:
-    rs = sorted((r for r in records if r["kind"] == "memory" and r.get("preset") == "48b-a3b" and _on_gpu(r)
-                 and get(r, "results.measured_peak_bytes") and get(r, "results.projected_bytes")),
-                key=lambda r: r["time"])
-    out = []
-    for r in rs:
-        passed = bool(get(r, "results.passed"))
-        share = r["results"]["measured_peak_bytes"] / r["results"]["projected_bytes"]
-        out.append(Reading(passed, f"peak {share:.3f}x the projection, {'passed' if passed else 'failed'}", (r,)))
-    return out
+_gate_b_hf = _each(lambda rs: _oldest_first(rs, lambda r: (
+    r["kind"] == "gate_b" and r.get("preset") == "48b-a3b" and _on_gpu(r)
+    and get(r, "params.golden_source") == "hf")), _gate_b_read)
+
+
+def _memory_read(r: dict) -> Reading | None:
+    peak, projected = get(r, "results.measured_peak_bytes"), get(r, "results.projected_bytes")
+    if not peak or not projected:
+        return None
+    passed = bool(get(r, "results.passed"))
+    return Reading(passed, f"peak {peak / projected:.3f}x the projection, {'passed' if passed else 'failed'}", (r,))
+
+
+_memory = _each(lambda rs: _oldest_first(rs, lambda r: (
+    r["kind"] == "memory" and r.get("preset") == "48b-a3b" and _on_gpu(r))), _memory_read)
 
 
 KERNEL_SHAPE = {"B", "T", "H", "d"}  # what a bench_kernels default record names beside its op
@@ -142,9 +145,10 @@ def _kernel(op: str, **shape):
     """Our default-config kernel records of op at one shape, on the H200: not a sweep, and naming nothing beyond
     the shape (an A/B variant names what it changed, say `prep=blocked`)."""
     def select(records):
-        return sorted((r for r in records if r["kind"] == "kernel" and _on_gpu(r) and get(r, "params.op") == op
-                       and all(get(r, f"params.{k}") == v for k, v in shape.items())
-                       and not get(r, "params.sweep") and variant_keys(r) <= KERNEL_SHAPE), key=lambda r: r["time"])
+        return _oldest_first(records, lambda r: (
+            r["kind"] == "kernel" and _on_gpu(r) and get(r, "params.op") == op
+            and all(get(r, f"params.{k}") == v for k, v in shape.items())
+            and not get(r, "params.sweep") and variant_keys(r) <= KERNEL_SHAPE))
     return select
 
 

@@ -82,7 +82,7 @@ def _load_rows(p0, n_live, SHIFT: tl.constexpr, STRIDE: tl.constexpr, BT: tl.con
 
 
 @triton.jit
-def _rounded(x, dtype: tl.constexpr, COMPILED: tl.constexpr = False):
+def _rounded(x, dtype: tl.constexpr, COMPILED: tl.constexpr):
     """fp32 x as dtype, rounded to nearest even: compiled, by the GPU's own conversion; interpreted, bf16 by hand,
     as Triton's interpreter truncates and the CPU tests should see the GPU's error, not a bias."""
     if dtype == tl.bfloat16 and not COMPILED:
@@ -99,8 +99,8 @@ def _dot(a, b, PREC: tl.constexpr, BF16_DOTS: tl.constexpr, COMPILED: tl.constex
     if BF16_DOTS:
         if COMPILED:
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-        return tl.dot(_rounded(a.to(tl.float32), tl.bfloat16).to(tl.float32),
-                      _rounded(b.to(tl.float32), tl.bfloat16).to(tl.float32), input_precision="ieee")
+        return tl.dot(_rounded(a.to(tl.float32), tl.bfloat16, False).to(tl.float32),
+                      _rounded(b.to(tl.float32), tl.bfloat16, False).to(tl.float32), input_precision="ieee")
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
 
@@ -229,10 +229,12 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
 
 
 @triton.jit
-def _scan_chunk(S, n, w, qw, kd, u, ou, eglast, o, T, NT, i_b, i_h, i_bh,
+def _scan_chunk(S, n, w, qw, kd, u, ou, eglast, o, T, NT, i_bh,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                 PREC: tl.constexpr, BF16_DOTS: tl.constexpr, COMPILED: tl.constexpr):
-    """Chunk n of the scan: loads its operands, stores its o, returns the state after it."""
+    """Chunk n of the scan for head i_bh (of B*H): loads its operands, stores its o, returns the state after it."""
+    i_b = i_bh // H
+    i_h = i_bh % H
     r = tl.arange(0, BT)
     ck = tl.arange(0, K)
     cv = tl.program_id(0) * BV + tl.arange(0, BV)
@@ -269,8 +271,6 @@ def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
     `_scan_chunk`, the same arithmetic.
     """
     i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
     ck = tl.arange(0, K)
     cv = tl.program_id(0) * BV + tl.arange(0, BV)
     state_off = ck[:, None] * V + cv[None, :]
@@ -281,12 +281,12 @@ def _kda_chunk_scan_kernel(w, qw, kd, u, ou, eglast, h0, ht, o, T, NT,
         S += tl.load(h0 + head + state_off)
     if COMPILED:
         for n in tl.range(0, NT, num_stages=STAGES):
-            S = _scan_chunk(S, n, w, qw, kd, u, ou, eglast, o, T, NT, i_b, i_h, i_bh,
+            S = _scan_chunk(S, n, w, qw, kd, u, ou, eglast, o, T, NT, i_bh,
                             H, K, V, BT, BV, PREC, BF16_DOTS, COMPILED)
     else:
         n = 0
         while n < NT:
-            S = _scan_chunk(S, n, w, qw, kd, u, ou, eglast, o, T, NT, i_b, i_h, i_bh,
+            S = _scan_chunk(S, n, w, qw, kd, u, ou, eglast, o, T, NT, i_bh,
                             H, K, V, BT, BV, PREC, BF16_DOTS, COMPILED)
             n += 1
     if STORE_HT:
