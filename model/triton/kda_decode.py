@@ -56,25 +56,44 @@ def decode_config(B: int) -> dict:
 
 
 @triton.jit
-def _short_conv(x, taps, conv_w, i_b, ch, C: tl.constexpr, W: tl.constexpr):
-    """Depthwise causal conv of the current input with the W-1 stored taps, then SiLU, for channels ch.
+def _tap(acc, p_x, p_w, xdt: tl.constexpr, wdt: tl.constexpr):
+    """acc + x * w for one tap: x (a stored tap or the current input) to the input dtype, then to the weight dtype."""
+    return acc + tl.load(p_x).to(xdt).to(wdt).to(tl.float32) * tl.load(p_w).to(tl.float32)
 
-    Rounds where `causal_conv1d` does: inputs to the weight dtype, the conv and the SiLU results to
-    the weight dtype, then to the input dtype. Returns the activation as fp32. One tap at a time, in
-    vectors shaped like ch: a [taps, channels] tile would get a layout of its own, which Triton then
-    imposed on the state block these channels meet (seen at 32 columns: a round trip of the whole
-    block through shared memory).
-    """
-    wdt = conv_w.dtype.element_ty
-    xdt = x.dtype.element_ty
-    acc = tl.zeros(ch.shape, tl.float32)
-    for j in tl.static_range(W - 1):
-        old = tl.load(taps + (i_b * (W - 1) + j).to(tl.int64) * C + ch)
-        acc += old.to(xdt).to(wdt).to(tl.float32) * tl.load(conv_w + ch * W + j).to(tl.float32)
-    b_x = tl.load(x + i_b.to(tl.int64) * C + ch)
-    acc += b_x.to(wdt).to(tl.float32) * tl.load(conv_w + ch * W + (W - 1)).to(tl.float32)
+
+@triton.jit
+def _silu_rounded(acc, xdt: tl.constexpr, wdt: tl.constexpr):
     y = acc.to(wdt).to(tl.float32)
     return (y * tl.sigmoid(y)).to(wdt).to(xdt).to(tl.float32)
+
+
+@triton.jit
+def _qkv_conv(x, taps, conv_w, i_b, ch_q, ch_k, ch_v, C: tl.constexpr, W: tl.constexpr):
+    """Depthwise causal conv of the current input with the W-1 stored taps, then SiLU, for the q, k and v
+    channels ch_q, ch_k, ch_v; returns the three activations as fp32.
+
+    Rounds where `causal_conv1d` does: inputs to the weight dtype, the conv and the SiLU results to the weight
+    dtype, then to the input dtype. One tap at a time, in vectors shaped like the channels: a [taps, channels]
+    tile would get a layout of its own, which Triton then imposed on the state block these channels meet (seen
+    at 32 columns: a round trip of the whole block through shared memory). The three convs share each tap's
+    step, so that all their loads are issued before the first result is converted to the state's layout (through
+    shared memory, behind a barrier the compiler moves no load above; see the kernel).
+    """
+    wdt: tl.constexpr = conv_w.dtype.element_ty
+    xdt: tl.constexpr = x.dtype.element_ty
+    acc_q = tl.zeros(ch_q.shape, tl.float32)
+    acc_k = tl.zeros(ch_k.shape, tl.float32)
+    acc_v = tl.zeros(ch_v.shape, tl.float32)
+    for j in tl.static_range(W - 1):
+        row = taps + (i_b * (W - 1) + j).to(tl.int64) * C
+        acc_q = _tap(acc_q, row + ch_q, conv_w + ch_q * W + j, xdt, wdt)
+        acc_k = _tap(acc_k, row + ch_k, conv_w + ch_k * W + j, xdt, wdt)
+        acc_v = _tap(acc_v, row + ch_v, conv_w + ch_v * W + j, xdt, wdt)
+    row = x + i_b.to(tl.int64) * C
+    acc_q = _tap(acc_q, row + ch_q, conv_w + ch_q * W + (W - 1), xdt, wdt)
+    acc_k = _tap(acc_k, row + ch_k, conv_w + ch_k * W + (W - 1), xdt, wdt)
+    acc_v = _tap(acc_v, row + ch_v, conv_w + ch_v * W + (W - 1), xdt, wdt)
+    return _silu_rounded(acc_q, xdt, wdt), _silu_rounded(acc_k, xdt, wdt), _silu_rounded(acc_v, xdt, wdt)
 
 
 @triton.jit(noinline=True)
@@ -128,21 +147,14 @@ def _gated_norm_row(p_o, p_gate, norm_w, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h,
-                 H: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
-    """What every column block of head i_h of sequence i_b needs: q = l2norm(silu(conv q)) * scale,
-    k = l2norm(silu(conv k)), the decay exp(g) ([D] each) and beta."""
-    cd = tl.arange(0, D)
-    C: tl.constexpr = 3 * H * D
-    b_q = _short_conv(qkv, taps, conv_w, i_b, i_h * D + cd, C, W)
-    b_k = _short_conv(qkv, taps, conv_w, i_b, (H + i_h) * D + cd, C, W)
-    hd = i_b.to(tl.int64) * H * D + i_h * D
-    b_f = tl.load(f + hd + cd).to(tl.float32) + tl.load(dt_bias + i_h * D + cd).to(tl.float32)
-    b_g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * _softplus(b_f)
-    b_beta = tl.sigmoid(tl.load(b_raw + i_b * H + i_h).to(tl.float32))
+def _head_inputs(b_q, b_k, b_f, a_log, b_raw, scale):
+    """From the head's loaded inputs, what every column block of it needs: q = l2norm(q) * scale, k = l2norm(k)
+    (q and k after the conv and SiLU), the decay exp(g), g = -exp(A_log) * softplus(f + dt_bias) ([D] each), and
+    beta = sigmoid(b_raw)."""
+    b_g = -tl.exp(a_log) * _softplus(b_f)
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * scale
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    return b_q, b_k, tl.exp(b_g), b_beta
+    return b_q, b_k, tl.exp(b_g), tl.sigmoid(b_raw)
 
 
 @triton.jit
@@ -186,17 +198,30 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     cv = i_v * BV + tl.arange(0, BV)
     C: tl.constexpr = 3 * H * D
     p_s = state + i_bh.to(tl.int64) * D * D + cd[:, None] * D + cv[None, :]
+    # Every load is issued before anything waits on one: one DRAM round trip, not four. The compiler moves no load
+    # above a barrier (each layout conversion and tl.sum across warps is one) and, left to itself, issued the
+    # state's loads after the first use of the conv's inputs, the gate's after the q and k norms and v's after
+    # those (offline sm_90 SASS). So: the state and the head's scalars and vectors first, then a barrier, which
+    # waits for no load (a load is waited for only where its register is read), then the conv's inputs, whose
+    # three convs share each tap's step (`_qkv_conv`).
+    hd = i_b.to(tl.int64) * H * D + i_h * D
     S = tl.load(p_s)
-
-    b_q, b_k, decay, b_beta = _head_inputs(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, scale, i_b, i_h, H, D, W)
-    b_v = _short_conv(qkv, taps, conv_w, i_b, (2 * H + i_h) * D + cv, C, W)
+    a_log = tl.load(A_log + i_h)
+    b_b = tl.load(b_raw + i_b * H + i_h)
+    b_f = tl.load(f + hd + cd)
+    b_dt = tl.load(dt_bias + i_h * D + cd)
+    WHOLE: tl.constexpr = BV == D  # one block holds the head: nothing to wait for
+    if WHOLE and HAS_NORM:
+        b_gate = tl.load(out_gate + hd + cv)
+        b_nw = tl.load(norm_w + cv)
+    tl.debug_barrier()
+    b_q, b_k, b_v = _qkv_conv(qkv, taps, conv_w, i_b, i_h * D + cd, (H + i_h) * D + cd, (2 * H + i_h) * D + cv, C, W)
+    b_q, b_k, decay, b_beta = _head_inputs(b_q, b_k, b_f.to(tl.float32) + b_dt.to(tl.float32), a_log.to(tl.float32),
+                                           b_b.to(tl.float32), scale)
     S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
     p_o = o + i_bh.to(tl.int64) * D
-    WHOLE: tl.constexpr = BV == D  # one block holds the head: nothing to wait for
     if WHOLE and HAS_NORM:  # the whole row of o is here: normalise it before it is stored
-        b_o = _gated_norm(b_o.to(o.dtype.element_ty).to(tl.float32),
-                          tl.load(out_gate + i_bh.to(tl.int64) * D + cv).to(tl.float32),
-                          tl.load(norm_w + cv).to(tl.float32), eps, D)
+        b_o = _gated_norm(b_o.to(o.dtype.element_ty).to(tl.float32), b_gate.to(tl.float32), b_nw.to(tl.float32), eps, D)
     tl.debug_barrier()  # every load of this block's state (and taps) landed before any of it is overwritten
     tl.store(p_s, S)
     tl.store(p_o + cv, b_o.to(o.dtype.element_ty))
