@@ -594,14 +594,16 @@ def test_kernel_records_carry_the_launch_config_they_ran(records_dir, monkeypatc
     """A kernel's default config changes (the chunk length did): each vs-peer record names the one in force."""
     from benchmarks import bench_kernels as bk
     from model.triton.kda_chunk import CONFIG
-    from model.triton.kda_decode import decode_config
+    from model.triton import kda_decode
     fake = lambda n, peer, rep_ms: ({"ours_ms": 1.0, "peer_ms": 2.0, "rel_err_vs_peer": 0.0}, [])  # noqa: E731
     monkeypatch.setattr(bk, "chunk_case", fake)
     monkeypatch.setattr(bk, "decode_case", fake)
     chunk = bk.run_case("chunk_kda", 1, 8192, None, None, 1, device="cpu")
     step = bk.run_case("kda_decode_step", 64, 1, None, None, 1, device="cpu")
-    assert chunk["params"]["cfg"] == CONFIG and step["params"]["cfg"] == decode_config(64)
-    assert decode_config(64) != decode_config(1)
+    assert chunk["params"]["cfg"] == CONFIG and step["params"]["cfg"] == kda_decode.decode_config(64)
+    changed = dict(BV=32, num_warps=2, grid="adjacent")  # another default in force: the record follows it
+    monkeypatch.setattr(kda_decode, "DECODE", changed)
+    assert bk.run_case("kda_decode_step", 64, 1, None, None, 1, device="cpu")["params"]["cfg"] == changed
 
 
 # ---- bench_kernels: the KDA decode step against the peer, graph-timed too ---------------------------

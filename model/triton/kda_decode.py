@@ -12,14 +12,22 @@ was measured slower at every batch and removed (graph-timed, run of 5ac699e: B=6
 against 87.7 us `a392ce5f`; B=1 11.2 us `3ee662cc` against 6.8 us `cea96aa3`).
 With BV = D a head is one program in either grid: no counter, o normalised in registers and stored once, the taps
 shifted by the same program. At D = 128 that is 32 programs at batch 1, each moving the head's 64 KB; the default
-below LARGE_BATCH since the sweep of ddeba4c (see DECODE below).
-Two orderings were measured and removed (graph-timed sweep of 00fa6bf): a whole head reading its conv taps with
-the other loads and writing them at the end, instead of the second round trip of `_shift_taps` (B=1 6.96 us
-`5226d884` against 6.90 `5e1caee4`; B=64 89.8 against 92.4 us, `729f6ad9` / `ba38b11b`, one sample each, and not
-the default there), and the counter path storing its state block after reporting in, so that the release waits for
-o alone (B=1 at best 6.77 us `5c33123d` against 6.84 `c28f6baa`; B=64 86.0 against 87.4 us at the default,
-`ac80b39c` / `f541a781`). Neither moved batch 1, where every config of that sweep took 6.8 to 12.6 us: the step's
-floor there is not the taps' round trip nor the wait for the state's stores.
+at every batch (see DECODE below).
+Load order. Each program issues every load before anything waits on one: the state and the head's gate, beta and
+norm inputs, a barrier, then the q, k and v conv inputs (`_qkv_conv`). Left to the compiler, the loads were four
+DRAM round trips one after another (offline sm_90 SASS of b93633d: the state's after the first use of q's conv
+inputs, k's behind a layout conversion's barrier, the gate's after the q and k norms, v's after those). The same
+operations in another order gave the kernel before it's bf16 bits and other fp32 bits (an unrecorded comparison on
+the H200 at batch 1, 8 and 64; the GPU tests hold both dtypes to the references). Graph-timed, B=1 went from 7.05
+us `4ff7892a` to 6.02 us `d888cefc` (fla's call 5.34 in the same run), and one program per head became the fastest
+config at B=64 too (75.9 us `a677c29a`, the 32-column "adjacent" default of before 88.8 `042c2fd8`, fla 87.6 in the
+run's vs-peer case `b28e18a3`).
+Two orderings were measured and removed before that (graph-timed sweep of 00fa6bf): a whole head reading its conv
+taps with the other loads and writing them at the end, instead of the second round trip of `_shift_taps` (B=1
+6.96 us `5226d884` against 6.90 `5e1caee4`; B=64 89.8 against 92.4 us, `729f6ad9` / `ba38b11b`, one sample each,
+and not the default there), and the counter path storing its state block after reporting in, so that the release
+waits for o alone (B=1 at best 6.77 us `5c33123d` against 6.84 `c28f6baa`; B=64 86.0 against 87.4 us at the
+default, `ac80b39c` / `f541a781`).
 """
 from __future__ import annotations
 
@@ -31,28 +39,21 @@ import model.triton as mt
 from model.triton.norms import _rms_normalize
 
 
-# Launch configs (state columns per program, warps) by batch, from the CUDA-graph-timed sweep of
-# `bench_kernels --ops kda_decode_step --decode-sweep` (run of e4977e1): 32 columns up to batch 8 (B=1: 7.1 us
-# `11880e09`, 16 columns 7.3 us `9f9fb6a0`; B=8: 21.0 us `5fdaad58` against 22.4 us `9780df3b`), 16 columns from
-# LARGE_BATCH on (B=64: 133.9 us `096a1285` against 147.6 us `246945f2`). The sweep measured batches 1, 8 and 64
-# only: the switch at 16 is a guess between them. Both with the "strided" grid, the only one measured then.
-# Since the conv runs one tap at a time (the state block no longer takes the conv's layout), the sweep of 5ac699e
-# found 32 columns over 2 warps on the "adjacent" grid fastest at B=64: 87.7 us `a392ce5f` (strided: 92.8 us
-# `e353738b`), against 133.5 us `6f14a108` at the old 16 columns x 4 warps. At B=1 the default stays within 1.1 us
-# of the best (7.9 us `237cbf6f`, best 6.8 us `cea96aa3` at 16 columns x 1 warp); B=8 was not swept on that code.
-# The sweep of ddeba4c, with one program per head (BV = D = 128: no arrival counter, the norm in registers), made
-# that the default below LARGE_BATCH: B=1 6.8 us `d47cc52c` (tied for best; the old default 7.6 `139325bd`), B=8
-# 14.4 us `28ff9e21` (best; old 18.6 `479c4fd6`). At B=64 it reads 92.9 us `465c195f`, so the large-batch default
-# stays (86.4 us `1b454e24`).
+# Launch config (state columns per program, warps, grid), from the CUDA-graph-timed sweeps of `bench_kernels --ops
+# kda_decode_step --decode-sweep`. Before one program per head existed: 32 columns up to batch 8 and 16 from batch 16
+# (run of e4977e1: B=1 7.1 us `11880e09`; B=64 133.9 us `096a1285`), then 32 columns over 2 warps on the "adjacent"
+# grid at B=64 (run of 5ac699e: 87.7 us `a392ce5f`). The sweep of ddeba4c made one program per head (BV = D = 128: no
+# arrival counter, the norm in registers) the default below batch 16 (B=1 6.8 us `d47cc52c`, B=8 14.4 us
+# `28ff9e21`) but not at 64 (92.9 us `465c195f` against 86.4 `1b454e24`). Since the load order above, it is the
+# fastest config at B=1 (6.03 us `71bf57c0`; next 6.54 `e2e8de7f`) and at B=64 (75.9 us `a677c29a`; next 81.8
+# `30edaf14`), sweep of ca2d42f; B=8 was not swept on that code. One config for every batch.
 DECODE = dict(BV=128, num_warps=4, grid="strided")
-DECODE_LARGE = dict(BV=32, num_warps=2, grid="adjacent")
-LARGE_BATCH = 16
 GRIDS = ("strided", "adjacent")  # see the module docstring
 
 
 def decode_config(B: int) -> dict:
-    """The launch config for batch B (see above)."""
-    return DECODE_LARGE if B >= LARGE_BATCH else DECODE
+    """The launch config for batch B (see above: one for every batch measured)."""
+    return DECODE
 
 
 @triton.jit
