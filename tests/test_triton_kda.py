@@ -354,11 +354,9 @@ def test_decode_fused_output_norm(B, d, dtype, grid, BV, seed):
 
 
 def test_decode_batch_64():
-    """At batch 64 (the DECODE_LARGE config from LARGE_BATCH on): blocks of 16 columns (two per head here), the
-    fused norm finished by the head's last block, give the result of one 32-column block and of the default
-    config; and so do four 8-column blocks in each grid."""
-    from model.triton.kda_decode import LARGE_BATCH
-    assert 64 >= LARGE_BATCH
+    """At batch 64: blocks of 16 columns (two per head here), the fused norm finished by the head's last block,
+    give the result of one 32-column block and of the default config; and so do four 8-column blocks in each
+    grid."""
     inp = decode_inputs(64, 1, 32, 4, torch.float32, 9)
     ro, rstate, rtaps = decode_reference(inp, 1, 32)
     o, state, taps = run_decode(inp)
