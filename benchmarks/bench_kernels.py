@@ -312,7 +312,10 @@ DECODE_SWEEP = ([dict(grid="strided", BV=bv, num_warps=nw) for bv in (8, 16, 32,
                    if bv * nw <= 256]
                 # one program per head (BV = the head dim, 128): no block waits for another to finish the head,
                 # the whole state in one program (the default below batch 16 since the sweep of ddeba4c)
-                + [dict(grid="strided", BV=bv, num_warps=nw) for bv, nw in ((64, 8), (128, 4), (128, 8), (128, 16))])
+                + [dict(grid="strided", BV=bv, num_warps=nw) for bv, nw in ((64, 8), (128, 4), (128, 8), (128, 16))]
+                # o from the state before the update (kda_decode._update_columns' EARLY_O)
+                + [dict(grid=g, BV=bv, num_warps=nw, early_o=True)
+                   for g, bv, nw in (("strided", 128, 4), ("adjacent", 32, 1), ("adjacent", 16, 4))])
 
 
 # A config's bf16 output against the default's: another fp32 summation order flips the rounding of a few elements
@@ -660,9 +663,11 @@ def conv_inputs(T: int, device: str = "cuda"):
 
 # model.triton.conv's tiles (tokens x channels per program, warps) around the default; each must give the default's
 # bits (which are torch's, conv_case checks), so the tolerance is 0
-CONV_SWEEP = [dict(BT=32, BC=64, num_warps=2), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=128, num_warps=4),
-              dict(BT=32, BC=128, num_warps=4), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=4),
-              dict(BT=64, BC=64, num_warps=4), dict(BT=16, BC=256, num_warps=4), dict(BT=32, BC=128, num_warps=8)]
+CONV_SWEEP = [dict(BT=32, BC=512, STEP=4, num_warps=4), dict(BT=32, BC=512, STEP=2, num_warps=4),
+              dict(BT=32, BC=512, STEP=8, num_warps=4), dict(BT=16, BC=512, STEP=4, num_warps=4),
+              dict(BT=64, BC=512, STEP=4, num_warps=4), dict(BT=128, BC=512, STEP=4, num_warps=4),
+              dict(BT=32, BC=256, STEP=4, num_warps=2), dict(BT=32, BC=1024, STEP=4, num_warps=4),
+              dict(BT=32, BC=1024, STEP=4, num_warps=8), dict(BT=64, BC=1024, STEP=4, num_warps=8)]
 
 
 def conv_sweep(T: int, rep_ms: int, device: str = "cuda", keys: set[str] | None = None) -> list[dict]:

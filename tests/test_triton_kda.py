@@ -313,14 +313,15 @@ def test_decode_matches_reference_composition(B, H, d, W, dtype, A_shift, seed):
 
 @given(B=st.sampled_from([1, 2, 5]), H=st.integers(1, 2), d=st.sampled_from([16, 32, 64]), W=st.integers(2, 4),
        dtype=st.sampled_from(sorted(DTYPES)), A_shift=st.sampled_from([-6.0, 0.0, 7.0]),
-       grid=st.sampled_from(GRIDS), BV=st.sampled_from([8, 16, 32]), seed=st.integers(0, 2**16))
-def test_decode_grids_match_the_default(B, H, d, W, dtype, A_shift, grid, BV, seed):
-    """Every grid, with one to eight column blocks per head, is the default's step: the same taps, o and
-    state, and at fp32 the reference composition's.
+       grid=st.sampled_from(GRIDS), BV=st.sampled_from([8, 16, 32]), early_o=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_decode_grids_match_the_default(B, H, d, W, dtype, A_shift, grid, BV, early_o, seed):
+    """Every grid, with one to eight column blocks per head, and o from the state before or after the update, is
+    the default's step: the same taps, o and state, and at fp32 the reference composition's.
     (At bf16 the interpreter truncates where torch rounds, which the reference test's draws stay clear of.)"""
     inp = decode_inputs(B, H, d, W, DTYPES[dtype], seed, A_shift)
     o0, state0, taps0 = run_decode(inp)
-    o, state, taps = run_decode(inp, cfg=dict(grid=grid, BV=BV))
+    o, state, taps = run_decode(inp, cfg=dict(grid=grid, BV=BV, early_o=early_o))
     assert o.dtype == inp["qkv_raw"].dtype and o.shape == (B, H, d)
     assert torch.equal(taps, taps0)
     tol = 1e-6 if dtype == "fp32" else 1e-2
@@ -719,7 +720,8 @@ def sm90_spills() -> dict:
     from model.triton import conv, moe_combine
     out["conv"] = stack_bytes(conv._causal_conv1d_kernel, {**dict.fromkeys(["x", "taps", "w", "y"], bf), "T": "i32",
                                                           "C": "i32", "stride_xb": "i64", "stride_xt": "i64"},
-                              dict(W=4, HAS_TAPS=True, BT=32, BC=128, LIBDEVICE=True), num_warps=4)
+                              dict(W=4, HAS_TAPS=True, BT=conv.CONFIG["BT"], BC=conv.CONFIG["BC"],
+                                   STEP=conv.CONFIG["STEP"], LIBDEVICE=True), num_warps=conv.CONFIG["num_warps"])
     out["moe_combine"] = stack_bytes(moe_combine._moe_combine_kernel, {"out": bf, "slot": "*i64", "w": f32,
                                                                       "shared": bf, "y": bf, "D": "i32"},
                                      dict(K=K, HAS_SHARED=True, BD=512), num_warps=4)
@@ -880,8 +882,9 @@ def test_gpu_chunk_saturated_gates(regime):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B", [1, 8, 64])
 @pytest.mark.parametrize("cfg", [None, dict(grid="adjacent", BV=16, num_warps=4), dict(grid="strided", BV=16, num_warps=4),
-                                 dict(grid="adjacent", BV=32, num_warps=2), dict(grid="strided", BV=128, num_warps=8)],
-                         ids=["default", "adjacent16", "strided16", "adjacent32", "whole128"])
+                                 dict(grid="adjacent", BV=32, num_warps=2), dict(grid="strided", BV=128, num_warps=8),
+                                 dict(early_o=True), dict(grid="adjacent", BV=32, num_warps=1, early_o=True)],
+                         ids=["default", "adjacent16", "strided16", "adjacent32", "whole128", "early_o", "adjacent32_early_o"])
 def test_gpu_decode_real_shapes(B, dtype, cfg, no_tf32):
     """Several steps in a row at 32 heads x 128 (several state blocks per head, finished by whichever
     block comes last): every step's o, state and taps against the composition

@@ -73,11 +73,33 @@ def test_conv_tiles_are_a_launch_choice(cfg):
     assert torch.isfinite(y).all() and rel_err(y, kda.causal_conv1d(x, w, taps)[0]) < 1e-6
 
 
+@given(B=st.integers(1, 3), T=st.sampled_from([1, 2, 3, 4, 5, 8, 9, 17]), C=st.sampled_from([8, 24, 40]),
+       W=st.sampled_from([1, 2, 3, 4, 5]), tile=st.sampled_from([(1, 8, 1), (2, 8, 1), (4, 16, 2), (4, 8, 4),
+                                                               (8, 16, 4), (16, 32, 8), (32, 16, 4)]),
+       with_taps=st.booleans(), strided=st.booleans(), seed=st.integers(0, 999))
+def test_conv_window_edges_match_torch(B, T, C, W, tile, with_taps, strided, seed):
+    """The sliding window at its edges, tiles small enough to put them inside the span: a window that starts in the
+    carried taps (T < W-1 too) or in the previous row tile, spans that end inside a tile or a step (BT larger than T,
+    T no multiple of BT or STEP), channel strips that end inside C, batches with their own taps, strided rows."""
+    BT, BC, STEP = tile
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, C + (3 if strided else 0), generator=g)[..., :C]
+    w = torch.randn(C, W, generator=g) / W ** 0.5
+    taps = torch.randn(B, W - 1, C, generator=g) if with_taps else None
+    y, new_taps = causal_conv1d(x, w, taps, dict(BT=BT, BC=BC, STEP=STEP, num_warps=1))
+    ry, rtaps = kda.causal_conv1d(x, w, taps)
+    assert torch.isfinite(y).all()
+    assert y.shape == ry.shape and rel_err(y, ry) < 1e-6
+    assert torch.equal(new_taps, rtaps)
+
+
 def test_conv_rejects_wrong_shapes():
     with pytest.raises(ValueError, match="do not fit"):
         causal_conv1d(torch.randn(1, 4, 8), torch.randn(6, 4))
     with pytest.raises(ValueError, match="unknown cfg keys"):
         causal_conv1d(torch.randn(1, 4, 8), torch.randn(8, 4), cfg=dict(BM=4))
+    with pytest.raises(ValueError, match="no multiple of STEP"):
+        causal_conv1d(torch.randn(1, 4, 8), torch.randn(8, 4), cfg=dict(BT=8, STEP=3))
 
 
 @pytest.mark.gpu

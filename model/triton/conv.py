@@ -1,9 +1,15 @@
 """Causal depthwise conv1d + SiLU over a span of tokens (prefill / recompute): the twin of
 `model.kda.causal_conv1d`.
 
-torch runs this conv as a generic depthwise 2-d conv on the transposed [B, C, T] input, about 1 ms for
-[8192, 12288] bf16 on an H200; here each program reads a [BT, BC] tile of the [B, T, C] input per tap
-(the row shifts hit the cache), about the cost of one read and one write of the input.
+torch runs this conv as a generic depthwise 2-d conv on the transposed [B, C, T] input, about 1.9 ms for
+[8192, 12288] bf16 on an H200 (the torch peer in record 3af1c7b0). Here each program owns a strip of BC channels
+over BT consecutive rows and slides a window down them: it loads the W-1 inputs before its first row once (from x,
+or from the carried taps, or zeros, before row 0), then each of its rows once, keeps the last W-1 inputs in
+registers and stores each output row; so x is read (BT + W-1) / BT times instead of W times, with one load and no
+row mask per element. The rows go STEP at a time in a loop, each step's loads issued one step ahead of their use:
+the compiler keeps a load written after a store after it (y may alias x as far as it knows), so a row loaded just
+before its use would wait for its load alone. The kernel this replaced loaded a [BT, BC] tile once per tap (record
+3af1c7b0 timed that one).
 
 Rounding matches the torch form on CUDA bit for bit: taps to x's dtype, inputs to the weight dtype,
 an fp32 sum over the taps in order (starting from 0, as torch's depthwise kernel does), rounded to the
@@ -20,44 +26,67 @@ import model.triton as mt
 from model.triton.act import _silu_f32
 from model.kda import carried_taps
 
-# Launch config: rows (tokens) and channels per program, warps; `bench_kernels --conv-sweep` times the tiles of
-# CONV_SWEEP. Picked from the sweep in record 3af1c7b0 (then kept in that record's results.sweep): at 8192 tokens of
-# 12288 channels, 16 x 128 on 4 warps took 0.2125 ms against 0.2230 for the 32 x 128 used before, 32 x 64 0.2130,
-# the rest 0.227 to 0.359, every tile with torch's bits.
-CONFIG = dict(BT=16, BC=128, num_warps=4)
+# Launch config: rows (tokens) and channels per program, rows per loop step (also how far ahead rows are loaded; BT a
+# multiple of it), warps; `bench_kernels --conv-sweep` times the tiles of CONV_SWEEP. Chosen from the sm_90 SASS,
+# compiled offline at 8192 x 12288 bf16 (4 channels a thread in 8-byte loads, 79 registers, no spills, about 35
+# instructions per output element against 56 for the per-tap kernel's default tile), and one do_bench pass over
+# tiles like CONV_SWEEP's on an H200 that left no record: a stand-in until the sweep's record picks it.
+CONFIG = dict(BT=32, BC=512, STEP=4, num_warps=4)
 
 
 @triton.jit
 def _causal_conv1d_kernel(x, taps, w, y, T, C, stride_xb, stride_xt,
                           W: tl.constexpr, HAS_TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          LIBDEVICE: tl.constexpr):
+                          STEP: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Grid (cdiv(T, BT), cdiv(C, BC), B). x rows [B, T] of C channels (row strides given, channels
-    contiguous); taps [B, W-1, C] contiguous; w [C, W] contiguous; y [B, T, C] contiguous.
+    contiguous); taps [B, W-1, C] contiguous; w [C, W] contiguous; y [B, T, C] contiguous; BT a multiple of STEP.
     LIBDEVICE: CUDA's IEEE expf (tl.exp is a faster approximation); the CPU interpreter has no libdevice."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    r = tl.arange(0, BT)
-    t = i_t * BT + r
+    t0 = i_t * BT
     c = i_c * BC + tl.arange(0, BC)
     m_c = c < C
     xdt = x.dtype.element_ty
     wdt = w.dtype.element_ty
-    # 64-bit scalar bases, 32-bit offsets within the tile (keeps the per-element address math in registers)
-    x_tile = x + i_b.to(tl.int64) * stride_xb + (i_t * BT).to(tl.int64) * stride_xt
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    # 64-bit scalar row bases, 32-bit channel offsets (keeps the per-element address math in registers)
+    x_row = x + i_b.to(tl.int64) * stride_xb + t0.to(tl.int64) * stride_xt + c   # row t0
+    y_row = y + (i_b.to(tl.int64) * T + t0) * C + c
+    ws = ()  # the W weights of the strip's channels, tap 0 (the oldest input) first
     for j in tl.static_range(W):
-        src = t + (j - (W - 1))                   # input row of tap j for output row t; < 0: a carried tap
-        m = (src >= 0)[:, None] & (t < T)[:, None] & m_c[None, :]
-        b_x = tl.load(x_tile + (r + (j - (W - 1)))[:, None] * stride_xt + c[None, :], mask=m, other=0.)
+        ws = ws + (tl.load(w + c * W + j, mask=m_c, other=0.).to(tl.float32),)
+    # the window: inputs of rows t0-(W-1) .. t0-1, oldest first, each rounded to x's dtype then to w's; a row < 0 is
+    # a carried tap (zeros without taps)
+    win = ()
+    for k in tl.static_range(W - 1):
+        src = t0 + (k - (W - 1))
+        b_x = tl.load(x_row + (k - (W - 1)) * stride_xt, mask=m_c & (src >= 0), other=0.)
         if HAS_TAPS:
-            m_old = ((src < 0) & (t < T))[:, None] & m_c[None, :]
-            old = tl.load(taps + i_b.to(tl.int64) * (W - 1) * C + (src + (W - 1))[:, None] * C + c[None, :], mask=m_old, other=0.)
+            m_old = m_c & (src < 0)
+            old = tl.load(taps + i_b.to(tl.int64) * (W - 1) * C + (src + (W - 1)) * C + c, mask=m_old, other=0.)
             b_x = tl.where(m_old, old.to(xdt), b_x)
-        b_w = tl.load(w + c * W + j, mask=m_c, other=0.)
-        acc += b_x.to(wdt).to(tl.float32) * b_w.to(tl.float32)[None, :]
-    b_y = acc.to(wdt).to(tl.float32)
-    b_y = _silu_f32(b_y, LIBDEVICE).to(wdt).to(xdt)
-    y_tile = y + (i_b.to(tl.int64) * T + i_t * BT) * C
-    tl.store(y_tile + r[:, None] * C + c[None, :], b_y, mask=(t < T)[:, None] & m_c[None, :])
+        win = win + (b_x.to(wdt).to(tl.float32),)
+    # rows STEP at a time, each step's loads issued a step ahead: the stores to y may alias x as far as the compiler
+    # knows, so it keeps a load written after a store after it, and a row loaded just before its use would wait alone.
+    # A row past the program's last (the tile's or x's) loads the last again (in bounds, so with no row mask; its
+    # output is not stored and it feeds no stored output).
+    n = tl.minimum(BT, T - t0)                  # rows the program stores
+    xs = ()
+    for u in tl.static_range(STEP):
+        xs = xs + (tl.load(x_row + tl.minimum(u, n - 1) * stride_xt, mask=m_c, other=0.),)
+    for g in range(0, BT, STEP):
+        rows = xs
+        xs = ()
+        for u in tl.static_range(STEP):
+            xs = xs + (tl.load(x_row + tl.minimum(g + STEP + u, n - 1) * stride_xt, mask=m_c, other=0.),)
+        for u in tl.static_range(STEP):
+            cur = rows[u].to(wdt).to(tl.float32)
+            acc = tl.zeros([BC], dtype=tl.float32)
+            for j in tl.static_range(W - 1):
+                acc += win[j] * ws[j]
+            acc += cur * ws[W - 1]
+            b_y = _silu_f32(acc.to(wdt).to(tl.float32), LIBDEVICE).to(wdt).to(xdt)
+            tl.store(y_row + (g + u) * C, b_y, mask=m_c & (g + u < n))
+            if W > 1:
+                win = win[1:] + (cur,)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor | None = None, cfg: dict | None = None):
@@ -75,10 +104,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor | No
     weight = weight.contiguous()
     taps = None if taps is None else taps.contiguous()
     c = mt.launch_config("causal_conv1d", CONFIG, cfg)
+    if c["BT"] % c["STEP"]:
+        raise ValueError(f"causal_conv1d: BT={c['BT']} is no multiple of STEP={c['STEP']}")
     y = mt.empty(B, T, C, dtype=x.dtype, device=x.device)
     if B * T * C:
         BT, BC = c["BT"], c["BC"]
         _causal_conv1d_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](
             x, taps, weight, y, T, C, x.stride(0), x.stride(1), W=W, HAS_TAPS=taps is not None, BT=BT, BC=BC,
-            LIBDEVICE=x.is_cuda, num_warps=c["num_warps"])
+            STEP=c["STEP"], LIBDEVICE=x.is_cuda, num_warps=c["num_warps"])
     return y, carried_taps(x, taps, W)  # the last W-1 inputs, carried to the next call: tiny, so torch

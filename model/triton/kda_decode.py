@@ -47,7 +47,7 @@ from model.triton.norms import _rms_normalize
 # `28ff9e21`) but not at 64 (92.9 us `465c195f` against 86.4 `1b454e24`). Since the load order above, it is the
 # fastest config at B=1 (6.03 us `71bf57c0`; next 6.54 `e2e8de7f`) and at B=64 (75.9 us `a677c29a`; next 81.8
 # `30edaf14`), sweep of ca2d42f; B=8 was not swept on that code. One config for every batch.
-DECODE = dict(BV=128, num_warps=4, grid="strided")
+DECODE = dict(BV=128, num_warps=4, grid="strided", early_o=False)
 GRIDS = ("strided", "adjacent")  # see the module docstring
 
 
@@ -159,8 +159,14 @@ def _head_inputs(b_q, b_k, b_f, a_log, b_raw, scale):
 
 
 @triton.jit
-def _update_columns(S, b_q, b_k, decay, b_beta, b_v):
-    """The delta-rule step on a block of state columns S [D, BV] with their v [BV]: (new S, o [BV])."""
+def _update_columns(S, b_q, b_k, decay, b_beta, b_v, EARLY_O: tl.constexpr):
+    """The delta-rule step on a block of state columns S [D, BV] with their v [BV]: (new S, o [BV]).
+    EARLY_O: o from the state before the update, o = S^T (e^g q) + u (k.q) (the same value, summed in another
+    order), so that neither reduction over S waits for the other."""
+    if EARLY_O:
+        b_u = b_beta * (b_v - tl.sum(S * (b_k * decay)[:, None], axis=0))
+        b_o = tl.sum(S * (b_q * decay)[:, None], axis=0) + b_u * tl.sum(b_k * b_q)
+        return S * decay[:, None] + b_k[:, None] * b_u[None, :], b_o
     S = S * decay[:, None]
     b_u = b_beta * (b_v - tl.sum(S * b_k[:, None], axis=0))
     S += b_k[:, None] * b_u[None, :]
@@ -170,7 +176,7 @@ def _update_columns(S, b_q, b_k, decay, b_beta, b_v):
 @triton.jit
 def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, arrivals, scale, eps,
                    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                   HAS_NORM: tl.constexpr, ADJACENT: tl.constexpr):
+                   HAS_NORM: tl.constexpr, ADJACENT: tl.constexpr, EARLY_O: tl.constexpr):
     """One token of KDA for one (sequence, head) and one block of BV state columns. Grid (B*H, D // BV), or
     with ADJACENT (B*H * D // BV,), the blocks of a head on consecutive program ids.
 
@@ -219,7 +225,7 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     b_q, b_k, b_v = _qkv_conv(qkv, taps, conv_w, i_b, i_h * D + cd, (H + i_h) * D + cd, (2 * H + i_h) * D + cv, C, W)
     b_q, b_k, decay, b_beta = _head_inputs(b_q, b_k, b_f.to(tl.float32) + b_dt.to(tl.float32), a_log.to(tl.float32),
                                            b_b.to(tl.float32), scale)
-    S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
+    S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v, EARLY_O)
     p_o = o + i_bh.to(tl.int64) * D
     if WHOLE and HAS_NORM:  # the whole row of o is here: normalise it before it is stored
         b_o = _gated_norm(b_o.to(o.dtype.element_ty).to(tl.float32), b_gate.to(tl.float32), b_nw.to(tl.float32), eps, D)
@@ -246,7 +252,8 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     """One KDA decode step for B sequences, one launch (one program per sequence, head and block of BV
     state columns; a counter buffer per device (`model.triton.arrival_counters`) lets the last block of
     each head finish it: one decode step at a time per device). `cfg` overrides `decode_config(B)`:
-    BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring).
+    BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring), early_o (o from the
+    state before the update, `_update_columns`).
 
     qkv_raw [B, 3*H*d]: the q|k|v projections before the conv (model dtype).
     conv_taps [B, W-1, 3*H*d]: the last W-1 projection inputs, updated in place.
@@ -310,5 +317,6 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
                 num_warps=c["num_warps"])
     adjacent = c["grid"] == "adjacent"
     _kda_decode_kernel[(B * H * (D // BV),) if adjacent else (B * H, D // BV)](
-        *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), **meta, ADJACENT=adjacent)
+        *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), **meta, ADJACENT=adjacent,
+        EARLY_O=bool(c["early_o"]))
     return o
