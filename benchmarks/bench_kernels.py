@@ -311,11 +311,8 @@ DECODE_SWEEP = ([dict(grid="strided", BV=bv, num_warps=nw) for bv in (8, 16, 32,
                 + [dict(grid="adjacent", BV=bv, num_warps=nw) for bv in (8, 16, 32) for nw in (1, 2, 4, 8)
                    if bv * nw <= 256]
                 # one program per head (BV = the head dim, 128): no block waits for another to finish the head,
-                # the whole state in one program (the default below batch 16 since the sweep of ddeba4c)
-                + [dict(grid="strided", BV=bv, num_warps=nw) for bv, nw in ((64, 8), (128, 4), (128, 8), (128, 16))]
-                # o from the state before the update (kda_decode._update_columns' EARLY_O)
-                + [dict(grid=g, BV=bv, num_warps=nw, early_o=True)
-                   for g, bv, nw in (("strided", 128, 4), ("adjacent", 32, 1), ("adjacent", 16, 4))])
+                # the whole state in one program (the default at every batch since the sweep of ca2d42f)
+                + [dict(grid="strided", BV=bv, num_warps=nw) for bv, nw in ((64, 8), (128, 4), (128, 8), (128, 16))])
 
 
 # A config's bf16 output against the default's: another fp32 summation order flips the rounding of a few elements

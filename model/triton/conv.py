@@ -27,10 +27,11 @@ from model.triton.act import _silu_f32
 from model.kda import carried_taps
 
 # Launch config: rows (tokens) and channels per program, rows per loop step (also how far ahead rows are loaded; BT a
-# multiple of it), warps; `bench_kernels --conv-sweep` times the tiles of CONV_SWEEP. Chosen from the sm_90 SASS,
-# compiled offline at 8192 x 12288 bf16 (4 channels a thread in 8-byte loads, 79 registers, no spills, about 35
-# instructions per output element against 56 for the per-tap kernel's default tile), and one do_bench pass over
-# tiles like CONV_SWEEP's on an H200 that left no record: a stand-in until the sweep's record picks it.
+# multiple of it), warps; `bench_kernels --conv-sweep` times the tiles of CONV_SWEEP. At 8192 x 12288 bf16 the sweep of
+# 8f00376 timed this one fastest, 0.1446 ms `7ca871e4` (32 x 256 on 2 warps 0.1448 `8161ffe2`, the other eight 0.1469
+# to 0.1596), every tile with torch's bits; the per-tap kernel this replaced took 0.2125 ms at its best tile (record
+# 3af1c7b0). By the offline sm_90 SASS: 4 channels a thread in 8-byte loads, 79 registers, no spills, about 35
+# instructions per output element against 56 for the per-tap kernel.
 CONFIG = dict(BT=32, BC=512, STEP=4, num_warps=4)
 
 

@@ -27,7 +27,10 @@ taps with the other loads and writing them at the end, instead of the second rou
 6.96 us `5226d884` against 6.90 `5e1caee4`; B=64 89.8 against 92.4 us, `729f6ad9` / `ba38b11b`, one sample each,
 and not the default there), and the counter path storing its state block after reporting in, so that the release
 waits for o alone (B=1 at best 6.77 us `5c33123d` against 6.84 `c28f6baa`; B=64 86.0 against 87.4 us at the
-default, `ac80b39c` / `f541a781`).
+default, `ac80b39c` / `f541a781`). After it (sweep of 8f00376), o taken from the state before the update, o = S^T
+(e^g q) + u (k.q), so that neither reduction over S waits for the other: 120 fewer instructions a thread (offline
+SASS) and no faster (B=1 6.20 us `276aab53` against 6.02 `903f1119`; B=64 75.92 against 75.87, `167cd85d` /
+`5c2d7236`).
 """
 from __future__ import annotations
 
@@ -46,8 +49,9 @@ from model.triton.norms import _rms_normalize
 # arrival counter, the norm in registers) the default below batch 16 (B=1 6.8 us `d47cc52c`, B=8 14.4 us
 # `28ff9e21`) but not at 64 (92.9 us `465c195f` against 86.4 `1b454e24`). Since the load order above, it is the
 # fastest config at B=1 (6.03 us `71bf57c0`; next 6.54 `e2e8de7f`) and at B=64 (75.9 us `a677c29a`; next 81.8
-# `30edaf14`), sweep of ca2d42f; B=8 was not swept on that code. One config for every batch.
-DECODE = dict(BV=128, num_warps=4, grid="strided", early_o=False)
+# `30edaf14`), sweep of ca2d42f, and again at B=1, 8 and 64 in the sweep of 8f00376 (6.02 us `903f1119`, 12.87 us
+# `55c8e108`, 75.87 us `5c2d7236`). One config for every batch.
+DECODE = dict(BV=128, num_warps=4, grid="strided")
 GRIDS = ("strided", "adjacent")  # see the module docstring
 
 
@@ -159,14 +163,8 @@ def _head_inputs(b_q, b_k, b_f, a_log, b_raw, scale):
 
 
 @triton.jit
-def _update_columns(S, b_q, b_k, decay, b_beta, b_v, EARLY_O: tl.constexpr):
-    """The delta-rule step on a block of state columns S [D, BV] with their v [BV]: (new S, o [BV]).
-    EARLY_O: o from the state before the update, o = S^T (e^g q) + u (k.q) (the same value, summed in another
-    order), so that neither reduction over S waits for the other."""
-    if EARLY_O:
-        b_u = b_beta * (b_v - tl.sum(S * (b_k * decay)[:, None], axis=0))
-        b_o = tl.sum(S * (b_q * decay)[:, None], axis=0) + b_u * tl.sum(b_k * b_q)
-        return S * decay[:, None] + b_k[:, None] * b_u[None, :], b_o
+def _update_columns(S, b_q, b_k, decay, b_beta, b_v):
+    """The delta-rule step on a block of state columns S [D, BV] with their v [BV]: (new S, o [BV])."""
     S = S * decay[:, None]
     b_u = b_beta * (b_v - tl.sum(S * b_k[:, None], axis=0))
     S += b_k[:, None] * b_u[None, :]
@@ -176,7 +174,7 @@ def _update_columns(S, b_q, b_k, decay, b_beta, b_v, EARLY_O: tl.constexpr):
 @triton.jit
 def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, arrivals, scale, eps,
                    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                   HAS_NORM: tl.constexpr, ADJACENT: tl.constexpr, EARLY_O: tl.constexpr):
+                   HAS_NORM: tl.constexpr, ADJACENT: tl.constexpr):
     """One token of KDA for one (sequence, head) and one block of BV state columns. Grid (B*H, D // BV), or
     with ADJACENT (B*H * D // BV,), the blocks of a head on consecutive program ids.
 
@@ -225,7 +223,7 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     b_q, b_k, b_v = _qkv_conv(qkv, taps, conv_w, i_b, i_h * D + cd, (H + i_h) * D + cd, (2 * H + i_h) * D + cv, C, W)
     b_q, b_k, decay, b_beta = _head_inputs(b_q, b_k, b_f.to(tl.float32) + b_dt.to(tl.float32), a_log.to(tl.float32),
                                            b_b.to(tl.float32), scale)
-    S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v, EARLY_O)
+    S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
     p_o = o + i_bh.to(tl.int64) * D
     if WHOLE and HAS_NORM:  # the whole row of o is here: normalise it before it is stored
         b_o = _gated_norm(b_o.to(o.dtype.element_ty).to(tl.float32), b_gate.to(tl.float32), b_nw.to(tl.float32), eps, D)
@@ -252,8 +250,7 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     """One KDA decode step for B sequences, one launch (one program per sequence, head and block of BV
     state columns; a counter buffer per device (`model.triton.arrival_counters`) lets the last block of
     each head finish it: one decode step at a time per device). `cfg` overrides `decode_config(B)`:
-    BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring), early_o (o from the
-    state before the update, `_update_columns`).
+    BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring).
 
     qkv_raw [B, 3*H*d]: the q|k|v projections before the conv (model dtype).
     conv_taps [B, W-1, 3*H*d]: the last W-1 projection inputs, updated in place.
@@ -317,6 +314,5 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
                 num_warps=c["num_warps"])
     adjacent = c["grid"] == "adjacent"
     _kda_decode_kernel[(B * H * (D // BV),) if adjacent else (B * H, D // BV)](
-        *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), **meta, ADJACENT=adjacent,
-        EARLY_O=bool(c["early_o"]))
+        *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), **meta, ADJACENT=adjacent)
     return o
