@@ -203,12 +203,9 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     cv = i_v * BV + tl.arange(0, BV)
     C: tl.constexpr = 3 * H * D
     p_s = state + i_bh.to(tl.int64) * D * D + cd[:, None] * D + cv[None, :]
-    # Every load is issued before anything waits on one: one DRAM round trip, not four. The compiler moves no load
-    # above a barrier (each layout conversion and tl.sum across warps is one) and, left to itself, issued the
-    # state's loads after the first use of the conv's inputs, the gate's after the q and k norms and v's after
-    # those (offline sm_90 SASS). So: the state and the head's scalars and vectors first, then a barrier, which
-    # waits for no load (a load is waited for only where its register is read), then the conv's inputs, whose
-    # three convs share each tap's step (`_qkv_conv`).
+    # Every load before anything waits on one ("Load order" in the module docstring): the state and the head's
+    # inputs, then a barrier, which the compiler moves no load above and which waits for no load (a load is waited
+    # for only where its register is read), then the conv's inputs.
     hd = i_b.to(tl.int64) * H * D + i_h * D
     S = tl.load(p_s)
     a_log = tl.load(A_log + i_h)
