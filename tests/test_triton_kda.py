@@ -617,7 +617,7 @@ def sm90_spills() -> dict:
     # one program per head (BV = D), which normalises o in registers and shifts the taps without the counter
     out["decode_whole"] = max(
         stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
-                    dict(H=32, D=128, W=4, WP=4, BV=128, HAS_NORM=norm, ADJACENT=False), num_warps=8)
+                    dict(H=32, D=128, W=4, WP=4, BV=128, HAS_NORM=norm, ADJACENT=False), num_warps=4)
         for norm in (True, False))
     out["decode_adjacent"] = max(
         stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
