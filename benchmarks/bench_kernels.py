@@ -326,7 +326,8 @@ DECODE_SWEEP_TOL = 1e-3
 def decode_sweep(B: int, device: str = "cuda", keys: set[str] | None = None) -> list[dict]:
     """Our decode step at each config of DECODE_SWEEP, timed as the model runs it (`graph_ms` over 32 layers,
     each with its own state and conv taps), the output checked against the default's. One record per config."""
-    from model.triton.kda_decode import decode_config, fused_kda_decode
+    from model.triton import kda_decode
+    from model.triton.kda_decode import fused_kda_decode
     qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, out_gate, norm_w, state = decode_step_inputs(B, device)
     # each timed layer its own state and conv taps (the first layer's are the seeded ones)
     layers = [(state, taps)] + [(torch.randn_like(state), torch.randn_like(taps)) for _ in range(GRAPH_LAYERS - 1)]
@@ -345,7 +346,7 @@ def decode_sweep(B: int, device: str = "cuda", keys: set[str] | None = None) -> 
                 "timing": graph_timing(len(layers))}
 
     params = {"op": "kda_decode_step", "B": B, "T": 1, "H": H, "d": D, "dtype": "bfloat16"}
-    return sweep(f"kda_decode_step B={B}", DECODE_SWEEP, decode_config(B), lambda cfg: (step(first, cfg),), timed,
+    return sweep(f"kda_decode_step B={B}", DECODE_SWEEP, kda_decode.DECODE, lambda cfg: (step(first, cfg),), timed,
                  DECODE_SWEEP_TOL, params, device, keys)
 
 
@@ -789,9 +790,9 @@ TORCH_PEER_CASES = {"causal_conv1d": conv_case, "moe_combine": combine_case, "mo
 def run_case(op: str, B: int, T: int, peer, peer_missing: str | None, rep_ms: int, device: str = "cuda") -> dict:
     params = {"op": op, "B": B, "T": T, "H": H, "d": D, "dtype": "bfloat16"}
     if op == "kda_decode_step":
-        from model.triton.kda_decode import decode_config
+        from model.triton import kda_decode
         params.update(ours_scope="conv-tap update through gated output norm, one launch",
-                      peer_scope="fused_recurrent_kda call alone", cfg=dict(decode_config(B)))
+                      peer_scope="fused_recurrent_kda call alone", cfg=dict(kda_decode.DECODE))
     if op == "chunk_kda":
         from model.triton.kda_chunk import CONFIG
         params.update(cfg=dict(CONFIG))

@@ -600,7 +600,7 @@ def test_kernel_records_carry_the_launch_config_they_ran(records_dir, monkeypatc
     monkeypatch.setattr(bk, "decode_case", fake)
     chunk = bk.run_case("chunk_kda", 1, 8192, None, None, 1, device="cpu")
     step = bk.run_case("kda_decode_step", 64, 1, None, None, 1, device="cpu")
-    assert chunk["params"]["cfg"] == CONFIG and step["params"]["cfg"] == kda_decode.decode_config(64)
+    assert chunk["params"]["cfg"] == CONFIG and step["params"]["cfg"] == kda_decode.DECODE
     changed = dict(BV=32, num_warps=2, grid="adjacent")  # another default in force: the record follows it
     monkeypatch.setattr(kda_decode, "DECODE", changed)
     assert bk.run_case("kda_decode_step", 64, 1, None, None, 1, device="cpu")["params"]["cfg"] == changed

@@ -55,11 +55,6 @@ DECODE = dict(BV=128, num_warps=4, grid="strided")
 GRIDS = ("strided", "adjacent")  # see the module docstring
 
 
-def decode_config(B: int) -> dict:
-    """The launch config for batch B (see above: one for every batch measured)."""
-    return DECODE
-
-
 @triton.jit
 def _tap(acc, p_x, p_w, xdt: tl.constexpr, wdt: tl.constexpr):
     """acc + x * w for one tap: x (a stored tap or the current input) to the input dtype, then to the weight dtype."""
@@ -246,7 +241,7 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
                      out_gate=None, norm_weight=None, norm_eps=1e-5, cfg: dict | None = None):
     """One KDA decode step for B sequences, one launch (one program per sequence, head and block of BV
     state columns; a counter buffer per device (`model.triton.arrival_counters`) lets the last block of
-    each head finish it: one decode step at a time per device). `cfg` overrides `decode_config(B)`:
+    each head finish it: one decode step at a time per device). `cfg` overrides keys of DECODE:
     BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring).
 
     qkv_raw [B, 3*H*d]: the q|k|v projections before the conv (model dtype).
@@ -302,7 +297,7 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     if norm_weight is not None:
         out_gate, norm_weight = out_gate.contiguous(), norm_weight.contiguous()
     o = mt.empty(B, H, D, dtype=qkv_raw.dtype, device=state.device)
-    c = mt.launch_config("fused_kda_decode", decode_config(B), cfg)
+    c = mt.launch_config("fused_kda_decode", DECODE, cfg)
     if c["grid"] not in GRIDS:
         raise ValueError(f"fused_kda_decode: grid must be one of {GRIDS}, got {c['grid']!r}")
     BV = min(D, c["BV"])
