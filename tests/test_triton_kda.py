@@ -796,9 +796,10 @@ def test_kernels_compile_for_the_h200():
     assert spills["mla_split_short_fp32"] == 0 and spills["mla_cache_append"] == 0, spills
     # measured trade-offs, see model/triton/kda_chunk.py: the 4-warp prep spills and is still the fastest
     assert spills["scan"] <= 16 and spills["prep"] <= 512, spills
-    # the fp32 path (tf32x3, fp32 operands) spills more: 792 and 1328 B when these bounds were set; it serves the
-    # exact gates, whose prompts are short, and is not tuned for speed
-    assert spills["prep_fp32"] <= 1024 and spills["scan_fp32"] <= 1536, spills
+    # the fp32 path (tf32x3, fp32 operands) spills more: 792 and 1328 B when these bounds were set, the prep 1,576 B
+    # since its prefix sums of the gates became tl.dots (tf32x3 splits each operand in two); it serves the exact
+    # gates, whose prompts are short, and is not tuned for speed
+    assert spills["prep_fp32"] <= 2048 and spills["scan_fp32"] <= 1536, spills
     assert spills["moe_router"] == 0, spills
     assert spills["conv"] == 0 and spills["moe_combine"] == 0 and spills["moe_dispatch"] == 0, spills
     assert spills["moe_grouped_gate_up"] == 0 and spills["moe_grouped_down"] == 0, spills
