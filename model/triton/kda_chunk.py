@@ -53,6 +53,17 @@ A register cap on the prep kernel (prep_maxnreg) trades spills for programs per 
 timed 0.913 ms `4f83b312`, at the default three stages 0.944 `2b2d393c` (128 registers: 1.071 `c15cba20`), but in
 the whole prefill 168 registers at three stages took 1.007x the default's time (0.87 to 1.06, `1834c076`), so the
 default leaves the compiler's 255.
+The gates' prefix sums as tl.dots (632606e; before it, tl.cumsum and a masked row-sum for G_last, and the levels'
+[BT, BK] operands masked rather than their [BT, BT] products): chunk_kda at 8192 tokens 0.886 ms against fla's 1.075
+in the same run `796fe3f3`, at 32768 3.461 against 4.146 `f2cebdd7`, at 1024 0.156 against 0.999 `2ba02f4f`. In the
+whole 48B bf16 prefill, in interleaved rounds against the prep kernel of 0a1039e swapped in (a scratch arm of
+`benchmarks.bench_ab`, see the records' note), the old kernel took 1.0055x the new one's time at 8k (6 rounds,
+0.990 to 1.098, `8b3e7312`) and 1.014x at 32k (0.982 to 1.043, `c49d394a`); both at the power cap. Those records
+say INVALID by bench_ab's logits tolerance, which is set for launch configs: any change of KDA's rounding moves the
+random-weight model's 8k logits by about 0.1 relative RMS (0.099 here; chunks of 16 0.0993 `70993f22`, the scan's
+dots in tf32 0.0992 `6b20d374`). The levels' change alone, on the old prefix sums, was slower than the kernel
+before (an unrecorded same-process comparison); the tiles and warps above were swept before both changes and not
+since.
 Measured and removed: a "blocked" prep (the pairs inside 16-row sub-blocks by a walk of decay products instead
 of the four small levels' tl.dots, their inverse by forward substitution) was slower at every length and
 config: 8192 tokens 2.81 ms at best `31edc9ae`, 3.24 ms at the default tiles `50b812e5`. The dots of the small
