@@ -22,14 +22,29 @@ bits). Each timed call also samples the GPU's clocks through NVML (`benchmarks.t
 `benchmarks.gpu_clocks`; `results.clocks_ours` / `clocks_peer`: mean SM clock, board power, the share of samples
 under the power cap), since a faster kernel can lose its gain to a lower clock in a
 power-capped prefill. A variant whose logits are non-finite or differ past `LOGITS_TOL` is INVALID.
+
+A variant can also be code: NAME=MODULE@REV runs the arm with the kernel module as it was at git revision REV
+(`'old_prep=kda_chunk@0a1039e'`: its file from `git show`, loaded beside today's, `code_at`), in place of today's
+for the arm's calls (`model.ops` imports each kernel module's entry points when it calls them, so the swap reaches
+every call the model makes into it). An arm that no call reached is an error, not a silent copy of the defaults;
+its record's `params.changes` is {"@": the full commit}. Such an arm may change the rounding, which this
+random-weight model amplifies, so it is held to `CODE_LOGITS_TOL`.
+    python -m benchmarks.bench_ab --variant 'old_prep=kda_chunk@0a1039e' [--prefill 8192,32768]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
+import importlib.util
+import inspect
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -41,11 +56,21 @@ from benchmarks.timing import Samples, log, summarize, time_calls
 # Launch configs change summation orders at most (the grouped MoE kernels keep torch's bits exactly); a wrong
 # tile or expert moves bf16 logits by order 1.
 LOGITS_TOL = 2e-2
+# Code may change the rounding: a change of KDA's rounding alone moves the random-weight 48B model's 8k logits by
+# about 0.1 relative RMS (chunks of 16 70993f22, the scan's dots in tf32 6b20d374, the prep kernel 8b3e7312); a
+# wrong kernel still moves them by order 1.
+CODE_LOGITS_TOL = 0.5
+CODE = "@"  # the key of a code arm's changes: {"@": revision}
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
-    """'NAME=MODULE:JSON' -> (name, module, changes); a clear error for anything else."""
+    """'NAME=MODULE:JSON' -> (name, module, changes), 'NAME=MODULE@REV' -> (name, module, {"@": REV}); a clear error
+    for anything else."""
     name, sep, rest = text.partition("=")
+    code_module, at, rev = rest.partition("@")
+    if sep and at and name and code_module and rev and ":" not in code_module:
+        return name, code_module, {CODE: rev}
     module, sep2, body = rest.partition(":")
     if not (sep and sep2 and name and module):
         raise argparse.ArgumentTypeError(f"variant {text!r}: expected NAME=MODULE:JSON")
@@ -80,9 +105,85 @@ def changed_config(module: str, changes: dict) -> tuple[dict, dict]:
     return cfg, mt.launch_config(f"{name}.CONFIG", cfg, _tuples(changes))
 
 
+def is_code(changes: dict) -> bool:
+    return set(changes) == {CODE}
+
+
+# (full module name, commit) -> (that module as it was then, {"calls": calls into its public functions})
+_code: dict[tuple[str, str], tuple[object, dict]] = {}
+
+
+def _counted(fn, reached: dict):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        reached["calls"] += 1
+        return fn(*args, **kwargs)
+    return call
+
+
+def code_at(module: str, rev: str) -> str:
+    """Load `module` (`config_module`) as it was at git revision `rev`, once; returns the full commit. The file comes
+    from `git show` into a directory of its own (Triton reads a kernel's source from its file) and loads as a module
+    beside today's, under another name; its public functions count their calls. A revision git does not know, or
+    one without the file, is a ValueError."""
+    name = config_module(module)
+    if (name, rev) in _code:  # rev is already a loaded module's full commit
+        return rev
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+    r = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    if r.returncode:
+        raise ValueError(f"{rev!r} is no commit of the checkout at {REPO_ROOT}")
+    sha = r.stdout.strip()
+    if (name, sha) not in _code:
+        path = name.replace(".", "/") + ".py"
+        src = git("show", f"{sha}:{path}")
+        if src.returncode:
+            raise ValueError(f"{path} is not in {sha[:12]}")
+        f = Path(tempfile.mkdtemp(prefix="bench_ab_")) / f"{name.rpartition('.')[2]}_{sha[:12]}.py"
+        f.write_text(src.stdout)
+        spec = importlib.util.spec_from_file_location(f"{name}@{sha[:12]}", f)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        reached = {"calls": 0}
+        for k, v in list(vars(mod).items()):
+            if inspect.isfunction(v) and v.__module__ == mod.__name__ and not k.startswith("_"):
+                setattr(mod, k, _counted(v, reached))
+        _code[(name, sha)] = (mod, reached)
+    return sha
+
+
+def code_calls(module: str, rev: str) -> int:
+    """Calls so far into the public functions of `module` as it was at `rev` (`code_at`)."""
+    return _code[(config_module(module), code_at(module, rev))][1]["calls"]
+
+
+@contextlib.contextmanager
+def swapped(module: str, rev: str):
+    """Inside the block, importing `module` gives it as it was at `rev` (`code_at`); today's after it."""
+    name = config_module(module)
+    old = _code[(name, code_at(module, rev))][0]
+    current = importlib.import_module(name)
+    parent, _, leaf = name.rpartition(".")
+    pkg = sys.modules[parent]
+    sys.modules[name] = old
+    setattr(pkg, leaf, old)
+    try:
+        yield
+    finally:
+        sys.modules[name] = current
+        setattr(pkg, leaf, current)
+
+
 @contextlib.contextmanager
 def applied(module: str, changes: dict):
-    """`model.triton.<module>.CONFIG` with `changes` inside the block (`changed_config`), restored after it."""
+    """`model.triton.<module>.CONFIG` with `changes` inside the block (`changed_config`), restored after it; for a
+    code arm ({"@": rev}), the module as it was at rev (`swapped`)."""
+    if is_code(changes):
+        with swapped(module, changes[CODE]):
+            yield
+        return
     cfg, new = changed_config(module, changes)
     saved = dict(cfg)
     cfg.update(new)
@@ -111,13 +212,13 @@ def mean_clocks(per_call: list[dict]) -> dict:
     return out
 
 
-def judge(cmp: dict) -> list[str]:
+def judge(cmp: dict, tol: float = LOGITS_TOL) -> list[str]:
     reasons = []
     if not cmp["finite"]:
         reasons.append("the variant's logits are not all finite")
-    if not cmp["rel_err_vs_peer"] <= LOGITS_TOL:
+    if not cmp["rel_err_vs_peer"] <= tol:
         reasons.append(f"the variant's logits differ from the defaults': relative RMS error "
-                       f"{cmp['rel_err_vs_peer']:.3g} > {LOGITS_TOL}")
+                       f"{cmp['rel_err_vs_peer']:.3g} > {tol}")
     return reasons
 
 
@@ -137,7 +238,14 @@ def ab_case(model, T: int, variants: list[tuple[str, str, dict]], rounds: int, d
         return s.samples_ms[0], s.clocks, (s.host_ms or [None])[0]
 
     for arm in arms:  # untimed: compilation
+        name, module, changes = arm
+        code = bool(module) and is_code(changes)
+        before = code_calls(module, changes[CODE]) if code else 0
         call(arm)
+        if code and code_calls(module, changes[CODE]) == before:
+            raise RuntimeError(f"variant {name}: no call of the prefill reached {module} as it was at "
+                               f"{changes[CODE][:12]} (the model calls it through model.ops only where the kernels "
+                               f"are Triton's: KIMI_KERNELS, and the device)")
     for r in range(rounds):
         k = r % len(arms)
         for arm in arms[k:] + arms[:k]:
@@ -159,6 +267,7 @@ def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) 
     for name, module, changes in variants:
         v = out[name]
         cmp = compare_logits(v["logits"], base["logits"])
+        tol = CODE_LOGITS_TOL if is_code(changes) else LOGITS_TOL
         ratios = [a / b for a, b in zip(v["samples"], base["samples"])]
         results = {"ours_ms": summarize(v["samples"])["median_ms"], "peer": "defaults",
                    "peer_ms": summarize(base["samples"])["median_ms"], "samples_ms": v["samples"],
@@ -179,7 +288,7 @@ def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) 
                   "rounds": len(v["samples"]), **model_desc}
         rec = make_record("kernel", preset=model_desc["preset"], dtype=model_desc["model_dtype"], device=device_name,
                           weights=model_desc["weights"], params=params, results=results,
-                          verdict="INVALID" if judge(cmp) else "VALID", reasons=judge(cmp))
+                          verdict="INVALID" if judge(cmp, tol) else "VALID", reasons=judge(cmp, tol))
         append(rec)
         recs.append(rec)
         log(f"  T={T} {name}: {results['ours_ms']:.2f} ms against the defaults' {results['peer_ms']:.2f} ms "
@@ -209,11 +318,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error(f"variant names must be distinct and not 'defaults': {names}")
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
-    for _, module, changes in args.variant:  # a typo fails here, before the model is built
+    variants = []
+    for name, module, changes in args.variant:  # a typo fails here, before the model is built
         try:
-            changed_config(module, changes)
-        except (KeyError, ImportError) as e:
+            if is_code(changes):
+                changes = {CODE: code_at(module, changes[CODE])}
+            else:
+                changed_config(module, changes)
+        except (KeyError, ImportError, ValueError) as e:
             ap.error(str(e))
+        variants.append((name, module, changes))
     from model.build import load_model
     loaded = load_model(args.preset, device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed)
     log(f"weights {loaded.source} {loaded.weights} on {args.device}")
@@ -222,8 +336,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else args.device
     recs = []
     for T in args.prefill:
-        out = ab_case(loaded.model, T, args.variant, args.rounds, args.device, args.seed)
-        recs += ab_records(desc, T, args.variant, out, device_name)
+        out = ab_case(loaded.model, T, variants, args.rounds, args.device, args.seed)
+        recs += ab_records(desc, T, variants, out, device_name)
     return recs
 
 

@@ -777,6 +777,48 @@ def test_ab_logits_that_moved_make_the_record_invalid(records_dir):
     assert "host_ms" not in recs[1]["results"]
 
 
+def _git_head() -> str | None:
+    import subprocess
+    from benchmarks.bench_ab import REPO_ROOT
+    r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def test_ab_code_arm_runs_the_module_as_it_was_at_a_commit(records_dir, monkeypatch):
+    """NAME=MODULE@REV: the arm's prefill calls the kernel module as it was at REV. At HEAD (a fresh clone's working
+    tree) that is today's code: the defaults' bits, and the arm's calls counted; today's module is back after it."""
+    import sys
+    from benchmarks import bench_ab
+    import model.triton.kda_chunk as kc
+    head = _git_head()
+    if head is None:
+        pytest.skip("not a git checkout: a code arm reads the module from git")
+    monkeypatch.setenv("KIMI_KERNELS", "triton")  # the CPU path through Triton's interpreter, so prefill calls kc
+    assert bench_ab.parse_variant("old=kda_chunk@HEAD~1") == ("old", "kda_chunk", {"@": "HEAD~1"})
+    (r,) = bench_ab.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prefill", "9",
+                          "--rounds", "1", "--variant", "head=kda_chunk@HEAD"])
+    assert r["verdict"] == "VALID" and r["results"]["same_bits"], r["results"]
+    assert r["params"]["module"] == "kda_chunk" and r["params"]["changes"] == {"@": head}
+    assert bench_ab.code_calls("kda_chunk", head) >= 2  # the untimed call and the round's, at least
+    assert sys.modules["model.triton.kda_chunk"] is kc and sys.modules["model.triton"].kda_chunk is kc
+
+
+def test_ab_code_arm_that_no_call_reaches_is_an_error(records_dir, monkeypatch):
+    """The negative control: with the torch forms no call reaches model.triton, so the arm would time the defaults
+    twice; it is an error instead. An unknown revision fails before any model is built."""
+    from benchmarks import bench_ab
+    if _git_head() is None:
+        pytest.skip("not a git checkout: a code arm reads the module from git")
+    monkeypatch.setenv("KIMI_KERNELS", "torch")
+    with pytest.raises(RuntimeError, match="no call of the prefill reached kda_chunk"):
+        bench_ab.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prefill", "9", "--rounds", "1",
+                       "--variant", "head=kda_chunk@HEAD"])
+    for bad in ("x=kda_chunk@no-such-revision", "x=no_such_module@HEAD"):
+        with pytest.raises(SystemExit):
+            bench_ab.main(["--preset", "tiny", "--device", "cpu", "--variant", bad])
+    assert len(load("kernel", root=records_dir).records) == 0
+
+
 def test_ab_varies_the_clock_sampler_through_the_timing_config():
     """A variant can name a dotted module's CONFIG: benchmarks.timing's sampler mode, for the sampler's own A/B."""
     from benchmarks import bench_ab, timing
