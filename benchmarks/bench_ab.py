@@ -41,7 +41,6 @@ import importlib.util
 import inspect
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -52,6 +51,7 @@ import model.triton as mt
 from benchmarks.bench_e2e import PrefillCall
 from benchmarks.cli import ints
 from benchmarks.timing import Samples, log, summarize, time_calls
+from records.store import REPO_ROOT, git
 
 # Launch configs change summation orders at most (the grouped MoE kernels keep torch's bits exactly); a wrong
 # tile or expert moves bf16 logits by order 1.
@@ -61,7 +61,6 @@ LOGITS_TOL = 2e-2
 # wrong kernel still moves them by order 1.
 CODE_LOGITS_TOL = 0.5
 CODE = "@"  # the key of a code arm's changes: {"@": revision}
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
@@ -129,20 +128,17 @@ def code_at(module: str, rev: str) -> str:
     name = config_module(module)
     if (name, rev) in _code:  # rev is already a loaded module's full commit
         return rev
-
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
-    r = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
-    if r.returncode:
+    sha = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    if sha is None:
         raise ValueError(f"{rev!r} is no commit of the checkout at {REPO_ROOT}")
-    sha = r.stdout.strip()
+    sha = sha.strip()
     if (name, sha) not in _code:
         path = name.replace(".", "/") + ".py"
         src = git("show", f"{sha}:{path}")
-        if src.returncode:
+        if src is None:
             raise ValueError(f"{path} is not in {sha[:12]}")
         f = Path(tempfile.mkdtemp(prefix="bench_ab_")) / f"{name.rpartition('.')[2]}_{sha[:12]}.py"
-        f.write_text(src.stdout)
+        f.write_text(src)
         spec = importlib.util.spec_from_file_location(f"{name}@{sha[:12]}", f)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)

@@ -50,7 +50,8 @@ def records_dir(root: str | Path | None = None) -> Path:
 
 # ---- provenance ------------------------------------------------------------------------------
 
-def _git(*args: str) -> str | None:
+def git(*args: str) -> str | None:
+    """`git ARGS` in the checkout: its stdout, or None where git fails or is missing."""
     try:
         out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
@@ -59,9 +60,9 @@ def _git(*args: str) -> str | None:
 
 
 def _git_state() -> dict:
-    commit = _git("rev-parse", "--verify", "-q", "HEAD")
+    commit = git("rev-parse", "--verify", "-q", "HEAD")
     # The records files themselves live in the tree; appending one must not make the next record "dirty".
-    status = _git("status", "--porcelain", "--", ".", ":(exclude)records/*.jsonl")
+    status = git("status", "--porcelain", "--", ".", ":(exclude)records/*.jsonl")
     state = {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
     # A copy of the tree run elsewhere (the GPU box) may have no usable git: whoever sent it names the commit.
     if state["commit"] is None and os.environ.get("KIMI_GIT_COMMIT"):

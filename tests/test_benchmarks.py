@@ -778,10 +778,9 @@ def test_ab_logits_that_moved_make_the_record_invalid(records_dir):
 
 
 def _git_head() -> str | None:
-    import subprocess
-    from benchmarks.bench_ab import REPO_ROOT
-    r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else None
+    from records.store import git
+    head = git("rev-parse", "HEAD")
+    return head.strip() if head else None
 
 
 def test_ab_code_arm_runs_the_module_as_it_was_at_a_commit(records_dir, monkeypatch):
