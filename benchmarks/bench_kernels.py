@@ -252,43 +252,6 @@ def decode_step_inputs(B: int, device: str = "cuda") -> tuple:
     return qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, out_gate, norm_w, state
 
 
-HIDDEN = 2304  # the 48B-A3B's model width: the input of the projections before each decode step
-
-
-def projection_layers(B: int, device: str = "cuda") -> tuple[list, torch.Tensor]:
-    """GRAPH_LAYERS seeded KDA layers of H heads of D on a model width of HIDDEN, in DTYPE, and a token's activations
-    x [B, HIDDEN]: what runs just before the decode step in the model, `KimiDeltaAttention._project` (its six input
-    projections as one GEMM, then f_b and g_b as one batched GEMM)."""
-    from dataclasses import replace
-
-    from model.config import get_config
-    from model.layers import KimiDeltaAttention
-    cfg = replace(get_config("48b-a3b"), hidden_size=HIDDEN, kda_num_heads=H, kda_head_dim=D)
-    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []), torch.device(device):
-        torch.manual_seed(B)
-        layers = [KimiDeltaAttention(cfg).to(DTYPE) for _ in range(GRAPH_LAYERS)]
-    for layer in layers:
-        layer.pack_()  # .to() made each weight its own tensor: the forward reads the packed ones
-    return layers, torch.randn(B, HIDDEN, generator=torch.Generator().manual_seed(B)).to(device, DTYPE)
-
-
-AFTER_PROJ_TIMING = ("cuda-graph of {n} layers, each its projections then the step, less the graph of the projections "
-                     "alone; medians of 20 replays, per layer")
-
-
-def after_projections_ms(layers: list, x: torch.Tensor, steps: dict) -> dict[str, float]:
-    """{"proj_ms": the projections' time a layer, and for each step `name`, name: the time it adds a layer after them}
-    by `graph_ms`: the graph of every layer's projections then its step (`steps[name](i, qkv, f, gate, b)`, layer i),
-    less the graph of the projections alone. As in the model's decode, the projections are the kernel just before
-    the step, so a step that starts early (PDL) overlaps their end here as it does there, and one that does not is
-    timed the same way (launch gaps included), where a graph of steps back to back would let each early start
-    overlap another step instead."""
-    out = {"proj_ms": graph_ms([lambda L=L: L._project(x) for L in layers])}
-    for name, step in steps.items():
-        out[name] = graph_ms([lambda i=i, L=L: step(i, *L._project(x)) for i, L in enumerate(layers)]) - out["proj_ms"]
-    return out
-
-
 def decode_case(B: int, peer, rep_ms: int, device: str = "cuda") -> tuple[dict, list[str]]:
     """Ours and fla's call at batch B: do_bench and eager times (the issue's measure), then both as the model
     runs them (`graph_ms` over GRAPH_LAYERS layers' states: ours_graph_ms, peer_graph_ms), which unlike do_bench
@@ -330,6 +293,7 @@ def decode_case(B: int, peer, rep_ms: int, device: str = "cuda") -> tuple[dict, 
                                      for L in layers])
     res["timing_graph"] = graph_timing(GRAPH_LAYERS)
     if peer is not None and "peer_ms" in res:
+        del layers
         try:
             res["peer_graph_ms"] = graph_ms([lambda s=s: peer[1](q, k, v, g, beta, scale=D ** -0.5, initial_state=s,
                                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -337,21 +301,6 @@ def decode_case(B: int, peer, rep_ms: int, device: str = "cuda") -> tuple[dict, 
         except Exception as e:  # e.g. a host sync inside the peer's call: it cannot be captured
             traceback.print_exc()
             res["peer_graph_error"] = f"{type(e).__name__}: {e}"
-
-    # after the model's projections (`after_projections_ms`): ours as the model launches it (early, PDL) and plain;
-    # fla's call on its inputs as above (what the model would compute between, the conv, gate and beta, is not fla's)
-    def ours_after(early):
-        return lambda i, qkv, f_, gate, b: fused_kda_decode(qkv, layers[i][1], conv_w, f_, A_log, dt_bias, b,
-                                                            layers[i][0], out_gate=gate, norm_weight=norm_w,
-                                                            early=early)
-
-    steps = {"ours_after_proj_ms": ours_after(True), "ours_plain_after_proj_ms": ours_after(False)}
-    if "peer_graph_ms" in res:
-        steps["peer_after_proj_ms"] = lambda i, *_: peer[1](q, k, v, g, beta, scale=D ** -0.5,
-                                                            initial_state=layers[i][0], output_final_state=True,
-                                                            use_qk_l2norm_in_kernel=True)
-    res.update(after_projections_ms(*projection_layers(B, device), steps))
-    res["timing_after_proj"] = AFTER_PROJ_TIMING.format(n=GRAPH_LAYERS)
     return res, reasons
 
 

@@ -74,12 +74,11 @@ def kda_decode_step(qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, state, gate
     """One KDA token per sequence from carried state, conv-tap update through the gated output norm:
     conv + SiLU, gate, beta, L2 norm, state update, output, rmsnorm(o) * norm_w * sigmoid(gate).
     `taps` and `state` are updated in place. Shapes as in `model.triton.kda_decode.fused_kda_decode`;
-    returns [B, H, d] in qkv_raw's dtype. On Triton the kernel starts early (PDL): the caller's last launch, the
-    layer's projections, writes none of the state, taps and weights it reads before its wait."""
+    returns [B, H, d] in qkv_raw's dtype."""
     if _triton(qkv_raw):
         from .triton.kda_decode import fused_kda_decode
         return fused_kda_decode(qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, state,
-                                out_gate=gate, norm_weight=norm_w, norm_eps=eps, early=True)
+                                out_gate=gate, norm_weight=norm_w, norm_eps=eps)
     H, d = state.shape[1], state.shape[2]
     y, new_taps = kda.causal_conv1d(qkv_raw[:, None], conv_w, taps)
     taps.copy_(new_taps)

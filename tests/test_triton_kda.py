@@ -37,9 +37,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-_REAL_EMPTY = mt.empty  # the early-start test needs it: a poisoning fill would be a kernel between two launches
-
-
 def _nan_empty(*shape, dtype, device):
     return torch.empty(*shape, dtype=dtype, device=device).fill_(float("nan"))
 
@@ -389,86 +386,6 @@ def test_decode_rejects_an_unknown_grid_or_cfg_key():
             run_decode(inp, cfg=dict(grid=grid))
     with pytest.raises(ValueError, match="unknown cfg keys"):   # a sweep's typo is an error, not the default
         run_decode(inp, cfg=dict(warps=4))
-
-
-def test_decode_starts_early_only_when_nothing_is_copied_before_it(monkeypatch):
-    """`early` asks for PDL (`model.triton.pdl`; granted on CUDA, compiled) unless something the kernel reads before its
-    wait would be copied first: the copy would be the kernel just before, which the early start may overtake. The
-    model's decode step asks for it. The same bits either way (PDL changes when the kernel starts, not what it does)."""
-    from model import ops
-    seen = []
-    real = mt.pdl
-    monkeypatch.setattr(mt, "pdl", lambda kernel, device, early: (seen.append(early), real(kernel, device, early))[1])
-    H, d = 2, 16
-    inp = decode_inputs(1, H, d, 4, torch.float32, 3)
-    gen = torch.Generator().manual_seed(4)
-    norm = dict(out_gate=torch.randn(1, H * d, generator=gen).to(DEV), norm_weight=torch.randn(d, generator=gen).to(DEV))
-    want = run_decode(inp, **norm)
-    got = run_decode(inp, **norm, early=True)
-    assert seen == [False, True] and all(torch.equal(a, b) for a, b in zip(got, want))
-    strided = dict(conv_weight=inp["conv_weight"].t().contiguous().t(), A_log=torch.stack([inp["A_log"]] * 2, 1)[:, 0],
-                   dt_bias=torch.stack([inp["dt_bias"]] * 2, 1)[:, 0])
-    for name, t in [*strided.items(), ("norm_weight", torch.stack([norm["norm_weight"]] * 2, 1)[:, 0])]:
-        assert not t.is_contiguous() and torch.equal(t, {**inp, **norm}[name])
-        del seen[:]
-        got = run_decode({**inp, name: t} if name in inp else inp, **{**norm, name: t} if name in norm else norm,
-                         early=True)
-        assert seen == [False], name
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), name
-    del seen[:]
-    state, taps = inp["state"].clone(), inp["conv_taps"].clone()
-    with ops.use("triton"):
-        o = ops.kda_decode_step(inp["qkv_raw"], taps, inp["conv_weight"], inp["f"], inp["A_log"], inp["dt_bias"],
-                                inp["b_raw"], state, norm["out_gate"], norm["norm_weight"], 1e-5)
-    assert seen == [True] and torch.equal(o, want[0]) and torch.equal(state, want[1])
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("late", ["qkv_raw", "f", "b_raw", "out_gate"])
-def test_gpu_early_decode_step_waits_for_the_kernel_before(late, monkeypatch):
-    """The decode step launched early (PDL) reads what the kernel just before it writes (in the model, the
-    projections: qkv_raw, f, b_raw, out_gate) only once that kernel has finished: behind a kernel that lets it start
-    at once and stores that input 50 us later, it gives the plain launch's o, state and taps, eagerly and in CUDA
-    graph replays (buffers unpoisoned, as the model allocates them: a fill would be a kernel between)."""
-    from tests.early_launch import late_copy
-    monkeypatch.setattr(mt, "empty", _REAL_EMPTY)
-    B, H, d = 1, 32, 128
-    inp = decode_inputs(B, H, d, 4, torch.bfloat16, 5)
-    gen = torch.Generator().manual_seed(6)
-    inp["out_gate"] = torch.randn(B, H * d, generator=gen).to(torch.bfloat16).cuda()
-    norm_w = torch.randn(d, generator=gen).cuda()
-    args = ("qkv_raw", "conv_taps", "conv_weight", "f", "A_log", "dt_bias", "b_raw", "state")
-    state0, taps0 = inp["state"], inp["conv_taps"]
-    ref = run_decode(inp, out_gate=inp["out_gate"], norm_weight=norm_w)
-    dst = torch.zeros_like(inp[late])
-    state, taps = state0.clone(), taps0.clone()
-    use = {**inp, late: dst, "state": state, "conv_taps": taps}
-
-    def run():
-        late_copy(inp[late], dst)
-        return fused_kda_decode(*(use[a] for a in args), out_gate=use["out_gate"], norm_weight=norm_w, early=True)
-
-    def reset():
-        dst.zero_()
-        state.copy_(state0)
-        taps.copy_(taps0)
-
-    for _ in range(3):
-        reset()
-        o = run()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip((o, state, taps), ref))
-    reset()
-    graph = torch.cuda.CUDAGraph()  # as the decode step runs it
-    with torch.cuda.graph(graph):
-        o = run()
-    for _ in range(3):
-        reset()
-        o.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip((o, state, taps), ref))
 
 
 # ---- norms --------------------------------------------------------------------------------------

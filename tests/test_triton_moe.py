@@ -12,6 +12,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from hypothesis import given, strategies as st  # noqa: E402
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents, globaltimer  # noqa: E402
+
 import model.triton as mt  # noqa: E402
 from model import ops  # noqa: E402
 from model.layers import MLP  # noqa: E402
@@ -19,7 +23,6 @@ from model.triton.moe import (expert_down, expert_gate_up, fused_moe_decode, fus
                               fused_router, route)
 from model.triton.moe_combine import _moe_combine_kernel  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
-from tests.early_launch import late_copy  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
@@ -483,8 +486,8 @@ def test_early_starts_only_when_nothing_is_copied_before_them(monkeypatch):
     kernel just before an early launch, which the launch may overtake (here, on the CPU, never)."""
     from model.triton import moe
     seen = []
-    real = mt.pdl
-    monkeypatch.setattr(mt, "pdl", lambda kernel, device, early: (seen.append(early), real(kernel, device, early))[1])
+    real = moe.pdl
+    monkeypatch.setattr(moe, "pdl", lambda kernel, device, early: (seen.append(early), real(kernel, device, early))[1])
     x, wr, bias, gate_up, down, shared, sw = decode_inputs(2, 16, 8, 8, 2, 0, True)
     fused_moe_decode(x, wr, bias, 2, 2.446, True, gate_up, down, sw)
     fused_moe_decode(x, wr, bias.double(), 2, 2.446, True, gate_up, down, sw)  # the bias is copied to fp32
@@ -565,6 +568,22 @@ def test_gpu_early_starts_keep_the_bits(N, before, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(gy, ref)
+
+
+@triton.jit
+def _late_copy_kernel(src, dst, n, DELAY_NS: tl.constexpr, BLOCK: tl.constexpr):
+    """dst <- src, stored DELAY_NS after the program starts, which first lets a launch made after it with PDL start."""
+    gdc_launch_dependents()
+    t0 = globaltimer()
+    while globaltimer() - t0 < DELAY_NS:
+        pass
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+
+def late_copy(src: torch.Tensor, dst: torch.Tensor, delay_us: int = 50) -> None:
+    _late_copy_kernel[(triton.cdiv(src.numel(), 1024),)](src, dst, src.numel(), DELAY_NS=delay_us * 1000, BLOCK=1024)
 
 
 @pytest.mark.gpu

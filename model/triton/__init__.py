@@ -91,15 +91,6 @@ def pdl_capable(kernel, device: torch.device) -> bool:
     return device.type == "cuda" and compiled(kernel)
 
 
-def pdl(kernel, device: torch.device, early: bool) -> dict:
-    """Launch arguments for programmatic dependent launch (PDL) when `early`, compiled on CUDA only (the interpreter
-    has no griddepcontrol): the kernel (its `PDL` constexpr) may start while the one before it still runs, and waits
-    (`gdc_wait`) before it reads that kernel's output. Only the kernel just before can still be running then: every
-    one before that finished before it started, as it was launched without PDL or waited itself."""
-    on = early and pdl_capable(kernel, device)
-    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
-
-
 def require_runnable(kernel, device: torch.device) -> None:
     """Clear error instead of a Triton crash when a compiled kernel is handed CPU tensors."""
     if device.type != "cuda" and compiled(kernel):

@@ -31,6 +31,11 @@ default, `ac80b39c` / `f541a781`). After it (sweep of 8f00376), o taken from the
 (e^g q) + u (k.q), so that neither reduction over S waits for the other: 120 fewer instructions a thread (offline
 SASS) and no faster (B=1 6.20 us `276aab53` against 6.02 `903f1119`; B=64 75.92 against 75.87, `167cd85d` /
 `5c2d7236`).
+Also measured and removed (run of 9cd1aaa): the step launched early (PDL) after the model's projections, its state,
+taps and weights read before griddepcontrol.wait. Timed after the projections (32 layers, each its projections
+then the step, less the projections alone) it took 7.00 us against 6.72 plain, fla's call 6.17 (B=1, `292191df`).
+A cluster of CTAs a head (num_ctas=2, the norm's sum through distributed shared memory) does not compile in Triton
+3.6 (its CTA planning fails on this kernel's reductions).
 """
 from __future__ import annotations
 
@@ -40,7 +45,6 @@ import triton.language as tl
 
 import model.triton as mt
 from model.triton.norms import _rms_normalize
-from triton.language.extra.cuda import gdc_wait
 
 
 # Launch config (state columns per program, warps, grid), from the CUDA-graph-timed sweeps of `bench_kernels --ops
@@ -170,7 +174,7 @@ def _update_columns(S, b_q, b_k, decay, b_beta, b_v):
 @triton.jit
 def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, arrivals, scale, eps,
                    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                   HAS_NORM: tl.constexpr, ADJACENT: tl.constexpr, PDL: tl.constexpr):
+                   HAS_NORM: tl.constexpr, ADJACENT: tl.constexpr):
     """One token of KDA for one (sequence, head) and one block of BV state columns. Grid (B*H, D // BV), or
     with ADJACENT (B*H * D // BV,), the blocks of a head on consecutive program ids.
 
@@ -202,21 +206,16 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     # Every load before anything waits on one ("Load order" in the module docstring): the state and the head's
     # inputs, then a barrier, which the compiler moves no load above and which waits for no load (a load is waited
     # for only where its register is read), then the conv's inputs.
-    # With PDL the program may start while the kernel before it (the model's projections) still runs: what it
-    # reads before `gdc_wait` is what that kernel does not write (the state, and weights), the rest after it.
     hd = i_b.to(tl.int64) * H * D + i_h * D
     S = tl.load(p_s)
     a_log = tl.load(A_log + i_h)
+    b_b = tl.load(b_raw + i_b * H + i_h)
+    b_f = tl.load(f + hd + cd)
     b_dt = tl.load(dt_bias + i_h * D + cd)
     WHOLE: tl.constexpr = BV == D  # one block holds the head: nothing to wait for
     if WHOLE and HAS_NORM:
-        b_nw = tl.load(norm_w + cv)
-    if PDL:
-        gdc_wait()
-    b_b = tl.load(b_raw + i_b * H + i_h)
-    b_f = tl.load(f + hd + cd)
-    if WHOLE and HAS_NORM:
         b_gate = tl.load(out_gate + hd + cv)
+        b_nw = tl.load(norm_w + cv)
     tl.debug_barrier()
     b_q, b_k, b_v = _qkv_conv(qkv, taps, conv_w, i_b, i_h * D + cd, (H + i_h) * D + cd, (2 * H + i_h) * D + cv, C, W)
     b_q, b_k, decay, b_beta = _head_inputs(b_q, b_k, b_f.to(tl.float32) + b_dt.to(tl.float32), a_log.to(tl.float32),
@@ -244,7 +243,7 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
 
 
 def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, scale=None, *,
-                     out_gate=None, norm_weight=None, norm_eps=1e-5, early: bool = False, cfg: dict | None = None):
+                     out_gate=None, norm_weight=None, norm_eps=1e-5, cfg: dict | None = None):
     """One KDA decode step for B sequences, one launch (one program per sequence, head and block of BV
     state columns; a counter buffer per device (`model.triton.arrival_counters`) lets the last block of
     each head finish it: one decode step at a time per device). `cfg` overrides keys of DECODE:
@@ -258,11 +257,6 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     scale defaults to d^-0.5. With norm_weight [d] (and out_gate [B, H*d], g_b(g_a(x)) before the
     sigmoid), the output is the gated RMSNorm of o, as `model.triton.norms.gated_rmsnorm` computes it.
     Returns o [B, H, d] in qkv_raw's dtype.
-
-    early: launch with PDL (on CUDA, compiled), reading the state, taps and weights while the kernel before it still
-    runs, and qkv_raw, f, b_raw and out_gate after it (`model.triton.pdl`). The caller promises that the kernel
-    launched just before writes none of the first group (true of the model's decode step: its projections); early
-    is dropped when one of them would be copied here, since the copy would be that kernel. The same bits either way.
     """
     if state.ndim != 4 or state.shape[2] != state.shape[3]:
         raise ValueError(f"fused_kda_decode: state must be [B, H, d, d], got {tuple(state.shape)}")
@@ -303,7 +297,6 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     mt.require_runnable(_kda_decode_kernel, state.device)
 
     scale = D ** -0.5 if scale is None else float(scale)
-    early = early and all(x is None or x.is_contiguous() for x in (conv_weight, A_log, dt_bias, norm_weight))
     qkv_raw, conv_weight, f, A_log, dt_bias, b_raw = (
         x.contiguous() for x in (qkv_raw, conv_weight, f, A_log.reshape(H), dt_bias.reshape(H * D), b_raw))
     if norm_weight is not None:
@@ -318,6 +311,5 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
                 num_warps=c["num_warps"])
     adjacent = c["grid"] == "adjacent"
     _kda_decode_kernel[(B * H * (D // BV),) if adjacent else (B * H, D // BV)](
-        *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), **meta, ADJACENT=adjacent,
-        **mt.pdl(_kda_decode_kernel, state.device, early))
+        *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), **meta, ADJACENT=adjacent)
     return o

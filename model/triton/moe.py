@@ -224,7 +224,7 @@ def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None, early: bool =
     c = mt.launch_config("expert_gate_up", GATE_UP, cfg)
     bi, bd = min(c["BLOCK_I"], triton.next_power_of_2(I)), min(c["BLOCK_D"], triton.next_power_of_2(D))
     _moe_expert_gate_up_kernel[(N * slots, triton.cdiv(I, bi))](x, idx, gate_up, sg, su, act, D, I, K, slots, bi, bd,
-                                                               **mt.pdl(_moe_expert_gate_up_kernel, x.device, early),
+                                                               **pdl(_moe_expert_gate_up_kernel, x.device, early),
                                                                num_warps=c["num_warps"])
     return act
 
@@ -241,7 +241,7 @@ def expert_down(act, idx, w, down, shared_down=None, cfg=None, early: bool = Fal
     bd, bi = min(c["BLOCK_D"], triton.next_power_of_2(D)), min(c["BLOCK_I"], triton.next_power_of_2(I))
     _moe_expert_down_kernel[(N, triton.cdiv(D, bd))](act, idx, w, down, sd, y, D, I, K, triton.next_power_of_2(K),
                                                      shared_down is not None, bd, bi,
-                                                     **mt.pdl(_moe_expert_down_kernel, act.device, early),
+                                                     **pdl(_moe_expert_down_kernel, act.device, early),
                                                      num_warps=c["num_warps"])
     return y
 
@@ -353,9 +353,17 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     logits = mt.kept_buffer("router logits", x.device, N * E, ROUTER_LOGITS, torch.float32)
     _moe_router_kernel[(N, triton.cdiv(E, be))](
         x, weight, bias, logits, mt.arrival_counters(x.device, N), idx, w, float(scaling), D, E, k, be,
-        triton.next_power_of_2(D), triton.next_power_of_2(E), bool(renorm), **mt.pdl(_moe_router_kernel, x.device, early),
+        triton.next_power_of_2(D), triton.next_power_of_2(E), bool(renorm), **pdl(_moe_router_kernel, x.device, early),
         num_warps=c["num_warps"])
     return idx, w
+
+
+def pdl(kernel, device: torch.device, early: bool) -> dict:
+    """Launch arguments for programmatic dependent launch (PDL) when `early`, compiled on CUDA only (the interpreter
+    has no griddepcontrol): the kernel may start while the one before it still runs, and waits (`gdc_wait`) before
+    it reads that kernel's output."""
+    on = early and mt.pdl_capable(kernel, device)
+    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
 
 
 def fused_moe_decode(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, k: int, scaling: float,
