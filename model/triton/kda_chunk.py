@@ -109,6 +109,20 @@ def _rounded(x, dtype: tl.constexpr, COMPILED: tl.constexpr):
     return x.to(dtype)
 
 
+LOG2E = tl.constexpr(1.4426950408889634)  # the gates enter the kernel's sums times log2(e), so each decay is one 2^x
+
+
+@triton.jit
+def _exp2(x, COMPILED: tl.constexpr):
+    """2^x. Compiled: one `ex2.approx.ftz` (MUFU.EX2), where tl.exp2 and tl.exp add three instructions a value to
+    keep subnormal results (a decay below 2^-126 only ever multiplies values of order 1 into bf16 or fp32 sums, so
+    0 serves); the same approximation otherwise. Interpreted: tl.exp2."""
+    if COMPILED:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return tl.exp2(x)
+
+
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr, BF16_DOTS: tl.constexpr, COMPILED: tl.constexpr):
     """a @ b with fp32 accumulation on tensor cores (see "Precision"). BF16_DOTS: both operands rounded to bf16 (to
@@ -132,14 +146,15 @@ def _level_pairs(q_s, k_s, g_s, half, BT: tl.constexpr, PREC: tl.constexpr, BF16
     both factors <= 1, one per row, so the pairs of a level are one tl.dot. Each exponent is the sum of
     the gates it spans, taken as a 0/1-masked product with g (PREC: tf32x3 is fp32-accurate, tf32 is
     bounded in the module docstring; a -1000 gate outside the span contributes an exact 0), never as a
-    difference of long prefix sums, which would lose its low digits after a gate of -1000.
+    difference of long prefix sums, which would lose its low digits after a gate of -1000. g_s holds the
+    gates times log2(e), so each factor is one 2^x (`_exp2`).
     """
     r = tl.arange(0, BT)
     c = tl.arange(0, BT)
     upper = (r // half) % 2 == 1
     same_half = (r[:, None] // half) == (c[None, :] // half)
     spans = same_half & tl.where(upper[:, None], c[None, :] <= r[:, None], c[None, :] > r[:, None])
-    decay = tl.exp(tl.dot(spans.to(tl.float32), g_s, input_precision=PREC))
+    decay = _exp2(tl.dot(spans.to(tl.float32), g_s, input_precision=PREC), COMPILED)  # g_s in log2 units
     # every row scaled by its own half's factor; the products of the wrong halves are dropped from the [BT, BT]
     # results, not the [BT, BK] operands masked: half the selects, and the same value for every pair kept
     k_d = k_s * decay
@@ -201,7 +216,7 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
     for kk in range(0, K, BK):
         q_s = _load_rows(q0 + kk, n_live, S_Q, BT, BK)
         k_s = _load_rows(k0 + kk, n_live, S_K, BT, BK)
-        g_s = _load_rows(g0 + kk, n_live, S_G, BT, BK)
+        g_s = _load_rows(g0 + kk, n_live, S_G, BT, BK) * LOG2E
         ss_q += tl.sum(q_s * q_s, axis=1)
         ss_k += tl.sum(k_s * k_s, axis=1)
         for lvl in range(LOG2_BT):  # a loop, not unrolled: one level's tiles live at a time
@@ -232,8 +247,8 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
     for kk in range(0, K, BK):
         q_s = _load_rows(q0 + kk, n_live, S_Q, BT, BK) * f_q[:, None]
         k_s = _load_rows(k0 + kk, n_live, S_K, BT, BK) * f_k[:, None]
-        g_s = _load_rows(g0 + kk, n_live, S_G, BT, BK)
-        e_G = tl.exp(tl.dot(incl, g_s, input_precision=PREC))
+        g_s = _load_rows(g0 + kk, n_live, S_G, BT, BK) * LOG2E
+        e_G = _exp2(tl.dot(incl, g_s, input_precision=PREC), COMPILED)
         out = r[:, None] * K + kk + cb[None, :]
         b_w = _dot(Tm, k_s * (b_beta[:, None] * e_G), PREC, BF16_DOTS, COMPILED)
         tl.store(w + slab * K + out, _rounded(b_w, w.dtype.element_ty, COMPILED))
@@ -241,7 +256,7 @@ def _kda_chunk_prep_kernel(q, k, v, g, beta, w, qw, kd, u, ou, eglast, T, NT, sc
                  _rounded(q_s * e_G - _dot(Aqk, b_w, PREC, BF16_DOTS, COMPILED), qw.dtype.element_ty, COMPILED))
         # g_{t+1} + ... + g_last summed as such (not G_last - G_t)
         to_end = tl.dot(after, g_s, input_precision=PREC)
-        tl.store(kd + slab * K + out, _rounded(k_s * tl.exp(to_end), kd.dtype.element_ty, COMPILED))
+        tl.store(kd + slab * K + out, _rounded(k_s * _exp2(to_end, COMPILED), kd.dtype.element_ty, COMPILED))
         # e^G_last is e_G's last row (padded rows add g = 0)
         tl.store(eglast + (i_bh.to(tl.int64) * NT + i_t) * K + kk + cb[None, :] + 0 * r[:, None], e_G,
                  mask=(r == BT - 1)[:, None])
