@@ -64,12 +64,15 @@ random-weight model's 8k logits by about 0.1 relative RMS (0.099 here; chunks of
 dots in tf32 0.0992 `6b20d374`). The levels' change alone, on the old prefix sums, was slower than the kernel
 before (an unrecorded same-process comparison); the tiles and warps above were swept before both changes and not
 since.
-Tried after it and not adopted (55d3449): every decay as one ex2.approx.ftz, the gates scaled by log2(e) before
-their sums, where tl.exp adds a log2(e) multiply and a three-instruction fix-up a value for subnormal results (offline
-sm_90 SASS: 3,656 static instructions from 4,008, the levels loop 533 a pass from 687; the GPU tests passed). Its
-kernel time went unrecorded (the session's device time ran out in fla's autotuning), and the whole-prefill A/B could
-not tell it from this kernel (medians 129.34 and 129.36 ms, paired ratio 1.015, 0.989 to 1.110, `a8f8b1cb`); fewer
-instructions did not always mean less time here (the levels' change above, alone), so it waits for a kernel timing.
+Every decay as one ex2.approx.ftz (85165b7, first tried as 55d3449): the gates scaled by log2(e) before their sums,
+where tl.exp adds a log2(e) multiply and a three-instruction fix-up a value for subnormal results (`_exp2`; offline
+sm_90 SASS: 3,656 static instructions from 4,008, the levels loop 533 a pass from 687). chunk_kda at 8192 tokens
+0.796 ms against fla's 1.523 in the same run (`19d79f0d`; fla read 1.075 in the run of `796fe3f3`, its autotuning
+differs from box to box). In the whole 48B bf16 prefill, in interleaved rounds of `benchmarks.bench_ab` with
+632606e's kernel as the other arm (`--variant old=kda_chunk@632606e`), 632606e's kernel took 1.023x this one's time
+at 8k (12 rounds, paired ratios 0.981 to 1.165, medians 126.28 against 124.05 ms, `7326a885`; 8 rounds in another
+run 1.042, `f67292a8`; 6 rounds through a scratch arm before, 1.015, `a8f8b1cb`) and 1.013x at 32k (0.988 to 1.039,
+`ec925427`), at the power cap throughout.
 Measured and removed: a "blocked" prep (the pairs inside 16-row sub-blocks by a walk of decay products instead
 of the four small levels' tl.dots, their inverse by forward substitution) was slower at every length and
 config: 8192 tokens 2.81 ms at best `31edc9ae`, 3.24 ms at the default tiles `50b812e5`. The dots of the small
