@@ -72,7 +72,8 @@ differs from box to box). In the whole 48B bf16 prefill, in interleaved rounds o
 632606e's kernel as the other arm (`--variant old=kda_chunk@632606e`), 632606e's kernel took 1.023x this one's time
 at 8k (12 rounds, paired ratios 0.981 to 1.165, medians 126.28 against 124.05 ms, `7326a885`; 8 rounds in another
 run 1.042, `f67292a8`; 6 rounds through a scratch arm before, 1.015, `a8f8b1cb`) and 1.013x at 32k (0.988 to 1.039,
-`ec925427`), at the power cap throughout.
+`ec925427`), at the power cap throughout. At 32768 tokens 3.104 ms against fla's 6.087 (`94983965`); in the 8k
+prefill's decomposition the prep kernel takes 12.54 ms a step, 15.22 before (`c8897391`, `63426479`).
 Measured and removed: a "blocked" prep (the pairs inside 16-row sub-blocks by a walk of decay products instead
 of the four small levels' tl.dots, their inverse by forward substitution) was slower at every length and
 config: 8192 tokens 2.81 ms at best `31edc9ae`, 3.24 ms at the default tiles `50b812e5`. The dots of the small
