@@ -236,7 +236,8 @@ def chunk_case(T: int, peer, rep_ms: int) -> tuple[dict, list[str]]:
 
 def decode_step_inputs(B: int, device: str = "cuda") -> tuple:
     """Seeded inputs of one KDA layer's decode step at batch B, as the model holds them: (qkv_raw, taps, conv_w,
-    f, A_log, dt_bias, b_raw, out_gate, norm_w, state)."""
+    f, A_log, dt_bias, b_raw, out_gate, norm_w, state). qkv_raw and b_raw are column slices of one packed
+    [B, 3*H*D + 2*D + H] tensor, as they come out of the model's packed input projection (`KimiDeltaAttention`)."""
     gen = torch.Generator().manual_seed(B)
     C = 3 * H * D
     qkv_raw = torch.randn(B, C, generator=gen).to(device).to(DTYPE)
@@ -249,6 +250,9 @@ def decode_step_inputs(B: int, device: str = "cuda") -> tuple:
     out_gate = torch.randn(B, H * D, generator=gen).to(device).to(DTYPE)
     norm_w = (1 + 0.1 * torch.randn(D, generator=gen)).to(device).to(DTYPE)
     state = torch.randn(B, H, D, D, generator=gen).to(device)
+    packed = torch.zeros(B, C + 2 * D + H, dtype=DTYPE, device=device)  # q|k|v, f_a|g_a (not read here), b
+    packed[:, :C], packed[:, C + 2 * D:] = qkv_raw, b_raw
+    qkv_raw, b_raw = packed[:, :C], packed[:, C + 2 * D:]
     return qkv_raw, taps, conv_w, f, A_log, dt_bias, b_raw, out_gate, norm_w, state
 
 

@@ -379,6 +379,41 @@ def test_decode_batch_64():
         assert_close(o_grid, blocks, 1e-6, f"{grid} grid: o")
 
 
+def test_decode_reads_column_slices_in_place(monkeypatch):
+    """At batch > 1 the model hands the step column slices of wider tensors (q|k|v and b_raw of its packed
+    projection): read through their row strides, not copied first, with the bits of contiguous inputs. A tensor
+    whose own row is strided is copied (the control: the spy sees copies when there are some)."""
+    B, H, d = 3, 2, 16
+    inp = decode_inputs(B, H, d, 4, torch.float32, 7)
+    gen = torch.Generator().manual_seed(8)
+    norm = dict(out_gate=torch.randn(B, H * d, generator=gen).to(DEV), norm_weight=torch.randn(d, generator=gen).to(DEV))
+    want = run_decode(inp, **norm)
+
+    def in_wider(x, every=1):  # x's values as a column slice of a wider tensor, each row `every` apart in it
+        wide = torch.randn(x.shape[0], 5 + every * x.shape[1], generator=gen).to(x.dtype).to(DEV)
+        wide[:, 5::every] = x
+        return wide[:, 5::every]
+
+    copies = []
+    real = torch.Tensor.contiguous
+
+    def spy(self, *a, **kw):
+        if not self.is_contiguous():
+            copies.append(tuple(self.shape))
+        return real(self, *a, **kw)
+
+    for every in (1, 2):
+        sliced = {k: in_wider(inp[k], every) for k in ("qkv_raw", "f", "b_raw")}
+        gate = in_wider(norm["out_gate"], every)
+        assert not any(t.is_contiguous() for t in [gate, *sliced.values()])
+        del copies[:]
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "contiguous", spy)
+            got = run_decode({**inp, **sliced}, out_gate=gate, norm_weight=norm["norm_weight"])
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), every
+        assert len(copies) == (0 if every == 1 else 4), (every, copies)
+
+
 def test_decode_rejects_an_unknown_grid_or_cfg_key():
     inp = decode_inputs(1, 1, 16, 4, torch.float32, 0)
     for grid in ("diagonal", "head"):   # "head" was measured slower and removed
@@ -598,7 +633,8 @@ def sm90_spills() -> dict:
                            num_warps=c["scan_warps"])
 
     decode_sig = {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf), "A_log": f32, "dt_bias": f32, "b_raw": bf,
-                  "state": f32, "o": bf, "out_gate": bf, "norm_w": bf}
+                  "state": f32, "o": bf, "out_gate": bf, "norm_w": bf,
+                  **dict.fromkeys(["S_X", "S_F", "S_B", "S_G"], "i32")}
     out = {
         "prep": chunk_prep(bf, "tf32", kc.CONFIG["prep_dots"] == "bf16"),
         "scan": chunk_scan(bf, "tf32", kc.CONFIG["scan_dots"] == "bf16"),

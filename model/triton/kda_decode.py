@@ -73,7 +73,7 @@ def _silu_rounded(acc, xdt: tl.constexpr, wdt: tl.constexpr):
 
 
 @triton.jit
-def _qkv_conv(x, taps, conv_w, i_b, ch_q, ch_k, ch_v, C: tl.constexpr, W: tl.constexpr):
+def _qkv_conv(x, S_X, taps, conv_w, i_b, ch_q, ch_k, ch_v, C: tl.constexpr, W: tl.constexpr):
     """Depthwise causal conv of the current input with the W-1 stored taps, then SiLU, for the q, k and v
     channels ch_q, ch_k, ch_v; returns the three activations as fp32.
 
@@ -94,7 +94,7 @@ def _qkv_conv(x, taps, conv_w, i_b, ch_q, ch_k, ch_v, C: tl.constexpr, W: tl.con
         acc_q = _tap(acc_q, row + ch_q, conv_w + ch_q * W + j, xdt, wdt)
         acc_k = _tap(acc_k, row + ch_k, conv_w + ch_k * W + j, xdt, wdt)
         acc_v = _tap(acc_v, row + ch_v, conv_w + ch_v * W + j, xdt, wdt)
-    row = x + i_b.to(tl.int64) * C
+    row = x + i_b.to(tl.int64) * S_X
     acc_q = _tap(acc_q, row + ch_q, conv_w + ch_q * W + (W - 1), xdt, wdt)
     acc_k = _tap(acc_k, row + ch_k, conv_w + ch_k * W + (W - 1), xdt, wdt)
     acc_v = _tap(acc_v, row + ch_v, conv_w + ch_v * W + (W - 1), xdt, wdt)
@@ -102,7 +102,7 @@ def _qkv_conv(x, taps, conv_w, i_b, ch_q, ch_k, ch_v, C: tl.constexpr, W: tl.con
 
 
 @triton.jit(noinline=True)
-def _shift_taps(x, taps, i_b, i_h, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+def _shift_taps(x, S_X, taps, i_b, i_h, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
     """Drop the oldest tap and append the current input (taps hold the last W-1 inputs), for the q, k and v
     channels of head i_h (three groups of D, H*D apart; lanes for four, the fourth masked off), all read
     before any is written: one round trip. Rereads what it moves; a separate function, so that its registers
@@ -115,7 +115,7 @@ def _shift_taps(x, taps, i_b, i_h, H: tl.constexpr, D: tl.constexpr, W: tl.const
     p_taps = taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :]
     keep = ((j >= 1) & (j < W - 1))[:, None] & m_ch[None, :]
     old = tl.load(p_taps, mask=keep, other=0.)
-    b_x = tl.load(x + i_b.to(tl.int64) * C + ch, mask=m_ch)
+    b_x = tl.load(x + i_b.to(tl.int64) * S_X + ch, mask=m_ch)
     tl.debug_barrier()  # every thread has read the rows before any row is overwritten
     tl.store(p_taps - C, old, mask=keep)
     tl.store(taps + (i_b * (W - 1) + W - 2).to(tl.int64) * C + ch, b_x.to(taps.dtype.element_ty), mask=m_ch)
@@ -173,6 +173,7 @@ def _update_columns(S, b_q, b_k, decay, b_beta, b_v):
 
 @triton.jit
 def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, arrivals, scale, eps,
+                   S_X, S_F, S_B, S_G,
                    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
                    HAS_NORM: tl.constexpr, ADJACENT: tl.constexpr):
     """One token of KDA for one (sequence, head) and one block of BV state columns. Grid (B*H, D // BV), or
@@ -190,6 +191,8 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     rmsnorm(o) * norm_w * sigmoid(out_gate) (KimiLinearRMSNormGated on the o rounded to the model
     dtype, as the unfused path would see it), which needs the whole row of o. With BV = D a head is one
     block: it normalises o in registers, stores it once and shifts the taps, with no counter.
+    The rows of qkv, f, b_raw and out_gate are S_X, S_F, S_B, S_G elements apart (at batch > 1 the model's q|k|v
+    and b_raw are column slices of its packed projection's output, read in place).
     """
     if ADJACENT:
         i_bh = tl.program_id(0) // (D // BV)
@@ -206,18 +209,18 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     # Every load before anything waits on one ("Load order" in the module docstring): the state and the head's
     # inputs, then a barrier, which the compiler moves no load above and which waits for no load (a load is waited
     # for only where its register is read), then the conv's inputs.
-    hd = i_b.to(tl.int64) * H * D + i_h * D
+    i_b64 = i_b.to(tl.int64)
     S = tl.load(p_s)
     a_log = tl.load(A_log + i_h)
-    b_b = tl.load(b_raw + i_b * H + i_h)
-    b_f = tl.load(f + hd + cd)
+    b_b = tl.load(b_raw + i_b64 * S_B + i_h)
+    b_f = tl.load(f + i_b64 * S_F + i_h * D + cd)
     b_dt = tl.load(dt_bias + i_h * D + cd)
     WHOLE: tl.constexpr = BV == D  # one block holds the head: nothing to wait for
     if WHOLE and HAS_NORM:
-        b_gate = tl.load(out_gate + hd + cv)
+        b_gate = tl.load(out_gate + i_b64 * S_G + i_h * D + cv)
         b_nw = tl.load(norm_w + cv)
     tl.debug_barrier()
-    b_q, b_k, b_v = _qkv_conv(qkv, taps, conv_w, i_b, i_h * D + cd, (H + i_h) * D + cd, (2 * H + i_h) * D + cv, C, W)
+    b_q, b_k, b_v = _qkv_conv(qkv, S_X, taps, conv_w, i_b, i_h * D + cd, (H + i_h) * D + cd, (2 * H + i_h) * D + cv, C, W)
     b_q, b_k, decay, b_beta = _head_inputs(b_q, b_k, b_f.to(tl.float32) + b_dt.to(tl.float32), a_log.to(tl.float32),
                                            b_b.to(tl.float32), scale)
     S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
@@ -229,16 +232,16 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     tl.store(p_o + cv, b_o.to(o.dtype.element_ty))
 
     if WHOLE:
-        _shift_taps(qkv, taps, i_b, i_h, H, D, W, WP)
+        _shift_taps(qkv, S_X, taps, i_b, i_h, H, D, W, WP)
     else:
         # Report in once every thread of this block is done with the taps and has stored its o (acq_rel
         # atomic); the last of the head's blocks to report finishes the head: the taps of all its q, k and v
         # channels in one round trip (a block's own v taps too, off the other blocks' critical path).
         tl.debug_barrier()
         if tl.atomic_add(arrivals + i_bh, 1) == D // BV - 1:
-            _shift_taps(qkv, taps, i_b, i_h, H, D, W, WP)
+            _shift_taps(qkv, S_X, taps, i_b, i_h, H, D, W, WP)
             if HAS_NORM:
-                _gated_norm_row(p_o, out_gate + i_bh.to(tl.int64) * D, norm_w, eps, D)
+                _gated_norm_row(p_o, out_gate + i_b64 * S_G + i_h * D, norm_w, eps, D)
             tl.atomic_xchg(arrivals + i_bh, 0)
 
 
@@ -249,7 +252,9 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     each head finish it: one decode step at a time per device). `cfg` overrides keys of DECODE:
     BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring).
 
-    qkv_raw [B, 3*H*d]: the q|k|v projections before the conv (model dtype).
+    qkv_raw [B, 3*H*d]: the q|k|v projections before the conv (model dtype). qkv_raw, f, b_raw and out_gate are
+    read in place when each row's values are contiguous, whatever the stride between rows (column slices of a
+    wider tensor: the model's packed projections), else copied first.
     conv_taps [B, W-1, 3*H*d]: the last W-1 projection inputs, updated in place.
     conv_weight [3*H*d, W]: depthwise conv weights, column W-1 multiplies the current token.
     f [B, H*d]: f_b(f_a(x)), before the gate; A_log [H] (any shape with H elements); dt_bias [H*d];
@@ -297,10 +302,11 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     mt.require_runnable(_kda_decode_kernel, state.device)
 
     scale = D ** -0.5 if scale is None else float(scale)
-    qkv_raw, conv_weight, f, A_log, dt_bias, b_raw = (
-        x.contiguous() for x in (qkv_raw, conv_weight, f, A_log.reshape(H), dt_bias.reshape(H * D), b_raw))
+    # rows read in place through their stride (a copy only where a row's own values are not contiguous)
+    qkv_raw, f, b_raw = (mt.rows(x, x.shape[1]) for x in (qkv_raw, f, b_raw))
+    conv_weight, A_log, dt_bias = (x.contiguous() for x in (conv_weight, A_log.reshape(H), dt_bias.reshape(H * D)))
     if norm_weight is not None:
-        out_gate, norm_weight = out_gate.contiguous(), norm_weight.contiguous()
+        out_gate, norm_weight = mt.rows(out_gate, H * D), norm_weight.contiguous()
     o = mt.empty(B, H, D, dtype=qkv_raw.dtype, device=state.device)
     c = mt.launch_config("fused_kda_decode", DECODE, cfg)
     if c["grid"] not in GRIDS:
@@ -311,5 +317,6 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
                 num_warps=c["num_warps"])
     adjacent = c["grid"] == "adjacent"
     _kda_decode_kernel[(B * H * (D // BV),) if adjacent else (B * H, D // BV)](
-        *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), **meta, ADJACENT=adjacent)
+        *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), qkv_raw.stride(0), f.stride(0),
+        b_raw.stride(0), 0 if out_gate is None else out_gate.stride(0), **meta, ADJACENT=adjacent)
     return o
