@@ -28,7 +28,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import (  # noqa: E402
 import model.triton as mt  # noqa: E402
 from model import kda  # noqa: E402
 from model.triton.kda_chunk import chunk_kda_fwd  # noqa: E402
-from model.triton.kda_decode import GRIDS, fused_kda_decode  # noqa: E402
+from model.triton.kda_decode import GRIDS, _kda_decode_kernel, fused_kda_decode  # noqa: E402
 from model.triton.norms import add_rmsnorm, gated_rmsnorm, rmsnorm  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 
@@ -52,6 +52,16 @@ def assert_close(x, ref, tol, what):
     assert torch.isfinite(x).all(), f"{what}: non-finite values (a kernel left a poisoned element unwritten?)"
     err = rel_err(x, ref)
     assert err <= tol, f"{what}: relative RMS error {err:.3e} > {tol:.1e}"
+
+
+def assert_same_state(x, ref, what):
+    """Bit for bit under the interpreter. Compiled, two specialisations of the decode kernel (another block of columns,
+    the output norm fused or not) may contract a multiply and an add of the state update differently: equal to fp32
+    rounding there (the bits differed on the H200, before and after 5cd2081)."""
+    if mt.compiled(_kda_decode_kernel):
+        assert_close(x, ref, 1e-6, what)
+    else:
+        assert torch.equal(x, ref), what
 
 
 # ---- inputs -------------------------------------------------------------------------------------
@@ -345,7 +355,7 @@ def test_decode_fused_output_norm(B, d, dtype, grid, BV, seed):
     cfg = dict(grid=grid, BV=BV)
     normed, state, _ = run_decode(inp, out_gate=gate, norm_weight=weight, norm_eps=1e-5, cfg=cfg)
     o, state_unfused, _ = run_decode(inp, cfg=cfg)
-    assert torch.equal(state, state_unfused)
+    assert_same_state(state, state_unfused, "state with and without the fused norm")
     unfused = gated_rmsnorm(o, gate.view(B, H, d), weight, 1e-5)
     assert_close(normed, unfused, 1e-6 if dtype == "fp32" else 1e-2, "fused vs unfused norm")
     ro, _, _ = decode_reference(inp, H, d)
@@ -367,10 +377,11 @@ def test_decode_batch_64():
     norm = dict(out_gate=torch.randn(64, 32, generator=gen).to(DEV), norm_weight=torch.randn(32, generator=gen).to(DEV))
     blocks, state16, taps16 = run_decode(inp, **norm, cfg=dict(BV=16, grid="strided"))
     whole, state32, _ = run_decode(inp, **norm, cfg=dict(BV=32))
-    assert torch.equal(state16, state32)
+    assert_same_state(state16, state32, "16- vs 32-column blocks: state")
     assert_close(blocks, whole, 1e-6, "16- vs 32-column blocks")
     default, state_d, taps_d = run_decode(inp, **norm)
-    assert torch.equal(state_d, state16) and torch.equal(taps_d, taps16)
+    assert_same_state(state_d, state16, "default config vs 16-column blocks: state")
+    assert torch.equal(taps_d, taps16)
     assert_close(default, blocks, 1e-6, "default config vs 16-column blocks")
     for grid in GRIDS:  # the blocks of a head far apart or adjacent: the same step
         o_grid, state_grid, taps_grid = run_decode(inp, **norm, cfg=dict(grid=grid, BV=8))
