@@ -43,8 +43,11 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
 
+# The CPU tests on any box: the GPU hidden, so that tests/conftest.py runs the Triton kernels through Triton's
+# interpreter as on CI (on a GPU box they would otherwise be compiled, and these tests hold interpreter-run kernels
+# to their bits and hand them CPU tensors). The GPU tests: test-gpu.
 test: $(SETUP)
-	$(PY) -m pytest tests -m "not gpu"
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest tests -m "not gpu"
 
 test-gpu: $(SETUP)
 	$(PY) -m pytest tests -m gpu

@@ -36,3 +36,13 @@ def test_the_scanner_sees_reads():
     """Negative control for the scan itself."""
     assert READ.search('x = os.environ.get("KIMI_FOO", "1")').group(1) == "KIMI_FOO"
     assert READ.search("os.environ['TRITON_INTERPRET']").group(2) == "TRITON_INTERPRET"
+
+
+def test_make_test_hides_the_gpu():
+    """`make test` is the CPU suite on any box: its recipe hides the GPU, so that conftest.py sets TRITON_INTERPRET.
+    On a GPU box the CPU tests would otherwise meet compiled kernels, and some fail (CPU tensors handed to compiled
+    kernels, bits that only the interpreter keeps: seen on the H200 in session 23)."""
+    make = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^test:.*\n((?:\t.*\n)+)", make, re.M).group(1)
+    assert re.search(r"(^|\s)CUDA_VISIBLE_DEVICES=\s", recipe), recipe
+    assert not re.search(r"(^|\s)CUDA_VISIBLE_DEVICES=\s", "\t$(PY) -m pytest tests\n")  # the check can fail
