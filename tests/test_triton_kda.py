@@ -397,7 +397,8 @@ def test_decode_reads_column_slices_in_place(monkeypatch):
     B, H, d = 3, 2, 16
     inp = decode_inputs(B, H, d, 4, torch.float32, 7)
     gen = torch.Generator().manual_seed(8)
-    norm = dict(out_gate=torch.randn(B, H * d, generator=gen).to(DEV), norm_weight=torch.randn(d, generator=gen).to(DEV))
+    norm = dict(out_gate=torch.randn(B, H * d, generator=gen).to(DEV),
+                norm_weight=torch.randn(d, generator=gen).to(DEV))
     want = run_decode(inp, **norm)
 
     def in_wider(x, every=1):  # x's values as a column slice of a wider tensor, each row `every` apart in it

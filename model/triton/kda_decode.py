@@ -220,7 +220,8 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
         b_gate = tl.load(out_gate + i_b64 * S_G + i_h * D + cv)
         b_nw = tl.load(norm_w + cv)
     tl.debug_barrier()
-    b_q, b_k, b_v = _qkv_conv(qkv, S_X, taps, conv_w, i_b, i_h * D + cd, (H + i_h) * D + cd, (2 * H + i_h) * D + cv, C, W)
+    b_q, b_k, b_v = _qkv_conv(qkv, S_X, taps, conv_w, i_b, i_h * D + cd, (H + i_h) * D + cd, (2 * H + i_h) * D + cv,
+                              C, W)
     b_q, b_k, decay, b_beta = _head_inputs(b_q, b_k, b_f.to(tl.float32) + b_dt.to(tl.float32), a_log.to(tl.float32),
                                            b_b.to(tl.float32), scale)
     S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
