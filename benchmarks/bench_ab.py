@@ -130,7 +130,9 @@ def code_at(module: str, rev: str) -> str:
         return rev
     sha = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
     if sha is None:
-        raise ValueError(f"{rev!r} is no commit of the checkout at {REPO_ROOT}")
+        raise ValueError(f"{rev!r} is no commit of the checkout at {REPO_ROOT} (a copy of the tree whose git lacks it, "
+                         "as on a GPU box, can be given it: `git bundle create main.bundle main` in the full checkout, "
+                         "`git fetch main.bundle main:refs/remotes/bundle/main` in the copy)")
     sha = sha.strip()
     if (name, sha) not in _code:
         path = name.replace(".", "/") + ".py"
