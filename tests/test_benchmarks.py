@@ -802,7 +802,7 @@ def test_ab_code_arm_runs_the_module_as_it_was_at_a_commit(records_dir, monkeypa
     assert sys.modules["model.triton.kda_chunk"] is kc and sys.modules["model.triton"].kda_chunk is kc
 
 
-def test_ab_code_arm_that_no_call_reaches_is_an_error(records_dir, monkeypatch):
+def test_ab_code_arm_that_no_call_reaches_is_an_error(records_dir, monkeypatch, capsys):
     """The negative control: with the torch forms no call reaches model.triton, so the arm would time the defaults
     twice; it is an error instead. An unknown revision fails before any model is built."""
     from benchmarks import bench_ab
@@ -812,9 +812,10 @@ def test_ab_code_arm_that_no_call_reaches_is_an_error(records_dir, monkeypatch):
     with pytest.raises(RuntimeError, match="no call of the prefill reached kda_chunk"):
         bench_ab.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prefill", "9", "--rounds", "1",
                        "--variant", "head=kda_chunk@HEAD"])
-    for bad in ("x=kda_chunk@no-such-revision", "x=no_such_module@HEAD"):
+    for bad, why in (("x=kda_chunk@no-such-revision", "git bundle create"), ("x=no_such_module@HEAD", "no_such_module")):
         with pytest.raises(SystemExit):
             bench_ab.main(["--preset", "tiny", "--device", "cpu", "--variant", bad])
+        assert why in capsys.readouterr().err, bad  # an unknown revision says how a copy of the tree gets one
     assert len(load("kernel", root=records_dir).records) == 0
 
 
