@@ -265,7 +265,7 @@ def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) 
     for name, module, changes in variants:
         v = out[name]
         cmp = compare_logits(v["logits"], base["logits"])
-        tol = CODE_LOGITS_TOL if is_code(changes) else LOGITS_TOL
+        reasons = judge(cmp, CODE_LOGITS_TOL if is_code(changes) else LOGITS_TOL)
         ratios = [a / b for a, b in zip(v["samples"], base["samples"])]
         results = {"ours_ms": summarize(v["samples"])["median_ms"], "peer": "defaults",
                    "peer_ms": summarize(base["samples"])["median_ms"], "samples_ms": v["samples"],
@@ -286,7 +286,7 @@ def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) 
                   "rounds": len(v["samples"]), **model_desc}
         rec = make_record("kernel", preset=model_desc["preset"], dtype=model_desc["model_dtype"], device=device_name,
                           weights=model_desc["weights"], params=params, results=results,
-                          verdict="INVALID" if judge(cmp, tol) else "VALID", reasons=judge(cmp, tol))
+                          verdict="INVALID" if reasons else "VALID", reasons=reasons)
         append(rec)
         recs.append(rec)
         log(f"  T={T} {name}: {results['ours_ms']:.2f} ms against the defaults' {results['peer_ms']:.2f} ms "

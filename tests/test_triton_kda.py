@@ -393,7 +393,8 @@ def test_decode_batch_64():
 def test_decode_reads_column_slices_in_place(monkeypatch):
     """At batch > 1 the model hands the step column slices of wider tensors (q|k|v and b_raw of its packed
     projection): read through their row strides, not copied first, with the bits of contiguous inputs. A tensor
-    whose own row is strided is copied (the control: the spy sees copies when there are some)."""
+    whose own row is strided is copied (the control: the spy sees copies when there are some). The NaN padding
+    around the slices is never read (a read of it would reach the outputs)."""
     B, H, d = 3, 2, 16
     inp = decode_inputs(B, H, d, 4, torch.float32, 7)
     gen = torch.Generator().manual_seed(8)
@@ -401,8 +402,8 @@ def test_decode_reads_column_slices_in_place(monkeypatch):
                 norm_weight=torch.randn(d, generator=gen).to(DEV))
     want = run_decode(inp, **norm)
 
-    def in_wider(x, every=1):  # x's values as a column slice of a wider tensor, each row `every` apart in it
-        wide = torch.randn(x.shape[0], 5 + every * x.shape[1], generator=gen).to(x.dtype).to(DEV)
+    def in_wider(x, every=1):  # x's values as a column slice of a NaN-padded wider tensor, `every` apart in it
+        wide = torch.full((x.shape[0], 5 + every * x.shape[1]), float("nan"), dtype=x.dtype, device=DEV)
         wide[:, 5::every] = x
         return wide[:, 5::every]
 
