@@ -182,14 +182,15 @@ class MultiLatentAttention(nn.Module):
             cache.k_pe[:, start:start + T] = k_pe
             c, k_pe = cache.c[:, :start + T], cache.k_pe[:, :start + T]
         S = c.shape[1]
-        kv = self.kv_b_proj(c).view(B, S, self.H, self.dn + self.dv).transpose(1, 2)
+        kv = self.kv_b_proj(c).view(B, S, self.H, self.dn + self.dv)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
         # k = k_nope | k_pe (one k_pe for all heads), written as two copies into one buffer: torch.cat's kernel
-        # is slow on the head-broadcast (stride 0) k_pe
-        k = k_nope.new_empty(B, self.H, S, self.dn + self.P)
+        # is slow on the head-broadcast (stride 0) k_pe. The buffer is token-major, [B, S, H, 192], as q and kv
+        # are, so that both copies read and write whole rows; attention takes it as a [B, H, S, 192] view.
+        k = k_nope.new_empty(B, S, self.H, self.dn + self.P)
         k[..., :self.dn] = k_nope
-        k[..., self.dn:] = k_pe[:, None]
-        o = ops.mla_prefill_attention(q, k, v, self.scale)
+        k[..., self.dn:] = k_pe[:, :, None]
+        o = ops.mla_prefill_attention(q, k.transpose(1, 2), v.transpose(1, 2), self.scale)
         return self.o_proj(o.transpose(1, 2).reshape(B, Tq, self.H * self.dv))
 
     def decode(self, x: torch.Tensor, cache: MLACache, pos: torch.Tensor) -> torch.Tensor:
