@@ -91,7 +91,7 @@ import model.triton as mt
 # scan kernel's state columns per program and warps, the dot operands of either kernel for bf16/fp16 inputs
 # (see "Precision"; fp32 inputs always take tf32x3), the prep's pipeline stages and register cap (None: the
 # compiler's), the scan's pipeline stages. See the module docstring for how they were picked.
-CONFIG = dict(chunk=32, slice=64, prep_warps=2, scan_bv=32, scan_warps=4, prep_dots="bf16", scan_dots="bf16",
+CONFIG = dict(chunk=16, slice=64, prep_warps=1, scan_bv=32, scan_warps=4, prep_dots="bf16", scan_dots="bf16",
               prep_stages=3, prep_maxnreg=None, scan_stages=3)
 
 
