@@ -2,7 +2,7 @@
 
 Two kernels, both per (batch, head):
 
-1. `_kda_chunk_prep_kernel`, one program per chunk of BT tokens (CONFIG: 32), all chunks in parallel. It does
+1. `_kda_chunk_prep_kernel`, one program per chunk of BT tokens (CONFIG: 16; 32 for fp32 inputs), all chunks in parallel. It does
    everything that does not need the state: q/k L2 norm, the intra-chunk matrices Akk/Aqk with their
    pairwise decays, the UT-transform solve T = (I + Akk)^-1, and folds the results into five per-chunk
    operands of the state recurrence ([B*H, NT*BT, D] so a chunk is one contiguous slab; fp32 for fp32
@@ -28,7 +28,7 @@ relative 2^-9):
   kernel the pair matrices Akk, Aqk and the products with T and Aqk, in the scan S and v_new (the state carried
   from chunk to chunk stays fp32). CONFIG prep_dots / scan_dots = "tf32" give them fp32 operands in tf32
   instead; tests/test_triton_kda.py holds both to the same tolerances against fp64.
-Chunk length, tiles and warps were picked by timing on the H200 (32 heads of 128, bf16; `bench_kernels
+Chunk length, tiles and warps were first picked by timing on the H200 (32 heads of 128, bf16; `bench_kernels
 --chunk-sweep`, prep and scan together, run of 57b6106): chunks of 32 with a 2-warp prep kernel, 1.446 ms at
 8192 tokens `d1ca4e4e` and 5.708 ms at 32768 `e9e0afa8`, against 1.991 / 7.773 ms for chunks of 64 with
 64-column slices over 4 warps `a574b62f` / `730ed1df`, the best at 64 (8 warps: 2.51 ms `267b4e17`). At 32
@@ -74,6 +74,16 @@ at 8k (12 rounds, paired ratios 0.981 to 1.165, medians 126.28 against 124.05 ms
 run 1.042, `f67292a8`; 6 rounds through a scratch arm before, 1.015, `a8f8b1cb`) and 1.013x at 32k (0.988 to 1.039,
 `ec925427`), at the power cap throughout. At 32768 tokens 3.104 ms against fla's 6.087 (`94983965`); in the 8k
 prefill's decomposition the prep kernel takes 12.54 ms a step, 15.22 before (`c8897391`, `63426479`).
+Chunks of 16 on a one-warp prep kernel (the default since 5665093): after the ex2 decays the sweep of f037866 at
+8192 tokens timed them at 0.690 ms `b3982dc0` against 0.796 for the chunks of 32 on two warps before (`4c26e0b3`, fla
+1.079 in the same run); at 16, two warps 0.832 `c3ad162e`, four 1.166; at 32, one warp 1.377, four 1.090; at 64 the
+best 1.090 `4d69ecd6`. In the whole 48B bf16 prefill (`bench_ab`, 10 interleaved rounds, at the power cap) the old
+config took 1.028x this one's time at 8k (paired ratios 0.980 to 1.138, `28a9b4d1`) and 1.022x at 32k (0.993 to 1.042,
+`6b168f25`); those records say INVALID by bench_ab's launch-config logits tolerance (2e-2), which a change of KDA's
+rounding exceeds (4.9e-2 and 3.8e-2 here). Around the new default (sweep of 5665093): the scan's four stages 0.666 ms
+`31723a44` against 0.690 `cd6de7ec`, and no faster in the whole prefill (1.003x at 8k `60e5827a`, 1.0025x at 32k
+`d59e78cc`, the same bits), so three stay; slices of 32 0.765, of 128 0.817; the scan's other tiles 0.689 to 2.85.
+fp32 inputs keep chunks of 32 on two warps (CONFIG "exact").
 Measured and removed: a "blocked" prep (the pairs inside 16-row sub-blocks by a walk of decay products instead
 of the four small levels' tl.dots, their inverse by forward substitution) was slower at every length and
 config: 8192 tokens 2.81 ms at best `31edc9ae`, 3.24 ms at the default tiles `50b812e5`. The dots of the small
@@ -93,8 +103,9 @@ import model.triton as mt
 # compiler's), the scan's pipeline stages. See the module docstring for how they were picked. `exact`: the keys that
 # fp32 inputs take instead (unless `cfg` names them): compiled by Triton 3.6 for the H200, the prep kernel's tf32x3
 # dots at chunks of 16 on one warp come out wrong (relative RMS error 0.4 to 0.7 against the torch chunked form in
-# tests/test_triton_kda.py's real-shape fp32 cases, device call 2 of session 24; the interpreter agrees with fp64 at
-# every chunk length, and bf16 inputs, whose dots take bf16 or tf32 operands, pass compiled), so fp32 keeps the
+# tests/test_triton_kda.py's real-shape fp32 cases, device call 2 of session 24; in call 3's unrecorded check at
+# 1000 tokens, 16 on four warps also wrong, 16 on two and 32 on one or two right). The interpreter agrees with fp64
+# at every chunk length, and bf16 inputs, whose dots take bf16 or tf32 operands, pass compiled; so fp32 keeps the
 # config it had before, chunks of 32 on two warps. test_gpu_chunk_fp32_fault_at_chunks_of_16 watches the fault.
 CONFIG = dict(chunk=16, slice=64, prep_warps=1, scan_bv=32, scan_warps=4, prep_dots="bf16", scan_dots="bf16",
               prep_stages=3, prep_maxnreg=None, scan_stages=3, exact=dict(chunk=32, prep_warps=2))
