@@ -202,6 +202,23 @@ def test_chunk_rejects_a_bad_config():
         chunk_kda_fwd(q, k, v, g, beta, cfg=dict(scan_dots="fp16"))
 
 
+def test_chunk_fp32_inputs_take_the_exact_config_unless_cfg_names_a_key():
+    """CONFIG["exact"] (the compiler fault at chunks of 16 in fp32): fp32 inputs run the exact keys, bf16 inputs the
+    defaults, and a key that cfg names wins over both. Seen through the bits: each chunk length sums in its own
+    order, so the runs that must differ do (the check can fail)."""
+    from model.triton.kda_chunk import CONFIG
+    exact = CONFIG["exact"]
+    assert exact["chunk"] != CONFIG["chunk"]
+    for dtype, cfg in ((torch.float32, exact), (torch.bfloat16, {k: CONFIG[k] for k in exact})):
+        q, k, v, g, beta, h0 = kda_inputs(1, 70, 2, 32, 32, "model", 3, dtype)
+        o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
+        o_c, ht_c = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=cfg)
+        assert torch.equal(o, o_c) and torch.equal(ht, ht_c), f"{dtype}: the default is not {cfg}"
+        other = exact["chunk"] if dtype == torch.bfloat16 else CONFIG["chunk"]
+        o_n, _ = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0, cfg=dict(chunk=other))
+        assert not torch.equal(o_n, o), f"{dtype}: cfg chunk={other} did not reach the kernel"
+
+
 def test_chunk_empty_sequence_returns_the_initial_state():
     q, k, v, g, beta, h0 = kda_inputs(2, 0, 2, 16, 16, "model", 0)
     o, ht = chunk_kda_fwd(q, k, v, g, beta, initial_state=h0)
