@@ -2,8 +2,8 @@
 
 Two kernels, both per (batch, head):
 
-1. `_kda_chunk_prep_kernel`, one program per chunk of BT tokens (CONFIG: 16; 32 for fp32 inputs), all chunks in parallel. It does
-   everything that does not need the state: q/k L2 norm, the intra-chunk matrices Akk/Aqk with their
+1. `_kda_chunk_prep_kernel`, one program per chunk of BT tokens (CONFIG: 16; 32 for fp32 inputs), all chunks in
+   parallel. It does everything that does not need the state: q/k L2 norm, the intra-chunk matrices Akk/Aqk with their
    pairwise decays, the UT-transform solve T = (I + Akk)^-1, and folds the results into five per-chunk
    operands of the state recurrence ([B*H, NT*BT, D] so a chunk is one contiguous slab; fp32 for fp32
    inputs, bf16 for bf16/fp16 inputs, see "Precision" below):
