@@ -387,10 +387,10 @@ def sweep(name: str, configs: list[dict], default: dict, run, timed, tol: float,
 # model.triton.kda_chunk's launch configs, around the default (chunks of 16 on a 1-warp prep since 5665093; chunks of
 # 32 on 2 warps before, and still for fp32 inputs, CONFIG["exact"]; the sweep times bf16): the chunk length with
 # the prep's warps (but one warp for chunks of 64, which spills 6 KB per thread), the prep's slice, the scan's columns
-# and warps; each key's other values are the default's. The sweep of 57b6106 that picked the earlier default tried chunks of
-# 64 at 4 and 8 warps, slices of 32 and 64, and the scan at 16 to 64 columns over 4 and 8 warps (records cited in
-# model/triton/kda_chunk.py). The pipeline stages of either kernel and the prep's register cap were added at 7f31b66 and
-# 5513998 (records cited there too).
+# and warps; each key's other values are the default's. The sweep of 57b6106 that picked the earlier default tried
+# chunks of 64 at 4 and 8 warps, slices of 32 and 64, and the scan at 16 to 64 columns over 4 and 8 warps (records
+# cited in model/triton/kda_chunk.py). The pipeline stages of either kernel and the prep's register cap were added at
+# 7f31b66 and 5513998 (records cited there too).
 CHUNK_SWEEP = ([dict(chunk=c, prep_warps=w) for c in (16, 32, 64) for w in (1, 2, 4) if (c, w) != (64, 1)]
                + [dict(slice=s) for s in (32, 128)]
                + [dict(scan_bv=bv, scan_warps=w, scan_dots=d) for d in ("tf32", "bf16") for bv in (16, 32, 64)

@@ -812,7 +812,8 @@ def test_ab_code_arm_that_no_call_reaches_is_an_error(records_dir, monkeypatch, 
     with pytest.raises(RuntimeError, match="no call of the prefill reached kda_chunk"):
         bench_ab.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prefill", "9", "--rounds", "1",
                        "--variant", "head=kda_chunk@HEAD"])
-    for bad, why in (("x=kda_chunk@no-such-revision", "git bundle create"), ("x=no_such_module@HEAD", "no_such_module")):
+    for bad, why in (("x=kda_chunk@no-such-revision", "git bundle create"),
+                     ("x=no_such_module@HEAD", "no_such_module")):
         with pytest.raises(SystemExit):
             bench_ab.main(["--preset", "tiny", "--device", "cpu", "--variant", bad])
         assert why in capsys.readouterr().err, bad  # an unknown revision says how a copy of the tree gets one

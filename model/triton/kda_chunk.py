@@ -74,17 +74,17 @@ at 8k (12 rounds, paired ratios 0.981 to 1.165, medians 126.28 against 124.05 ms
 run 1.042, `f67292a8`; 6 rounds through a scratch arm before, 1.015, `a8f8b1cb`) and 1.013x at 32k (0.988 to 1.039,
 `ec925427`), at the power cap throughout. At 32768 tokens 3.104 ms against fla's 6.087 (`94983965`); in the 8k
 prefill's decomposition the prep kernel takes 12.54 ms a step, 15.22 before (`c8897391`, `63426479`).
-Chunks of 16 on a one-warp prep kernel (the default since 5665093): after the ex2 decays the sweep of f037866 at
-8192 tokens timed them at 0.690 ms `b3982dc0` against 0.796 for the chunks of 32 on two warps before (`4c26e0b3`, fla
+Chunks of 16 on a one-warp prep kernel (the default since 5665093): after the ex2 decays the sweep of f037866 at 8192
+tokens timed them at 0.690 ms `b3982dc0` against 0.796 for the chunks of 32 on two warps before (`4c26e0b3`, fla
 1.079 in the same run); at 16, two warps 0.832 `c3ad162e`, four 1.166; at 32, one warp 1.377, four 1.090; at 64 the
 best 1.090 `4d69ecd6`. Against fla's output the relative RMS error is 4.8e-3 in o and 2.8e-3 in the final state
-(`cd6de7ec`), 4.6e-3 and 2.4e-3 at the chunks of 32 (`4c26e0b3`). In the whole 48B bf16 prefill (`bench_ab`, 10 interleaved rounds, at the power cap) the old
-config took 1.028x this one's time at 8k (paired ratios 0.980 to 1.138, `28a9b4d1`) and 1.022x at 32k (0.993 to 1.042,
-`6b168f25`); those records say INVALID by bench_ab's launch-config logits tolerance (2e-2), which a change of KDA's
-rounding exceeds (4.9e-2 and 3.8e-2 here). Around the new default (sweep of 5665093): the scan's four stages 0.666 ms
-`31723a44` against 0.690 `cd6de7ec`, and no faster in the whole prefill (1.003x at 8k `60e5827a`, 1.0025x at 32k
-`d59e78cc`, the same bits), so three stay; slices of 32 0.765, of 128 0.817; the scan's other tiles 0.689 to 2.85.
-fp32 inputs keep chunks of 32 on two warps (CONFIG "exact").
+(`cd6de7ec`), 4.6e-3 and 2.4e-3 at the chunks of 32 (`4c26e0b3`). In the whole 48B bf16 prefill (`bench_ab`, 10
+interleaved rounds, at the power cap) the old config took 1.028x this one's time at 8k (paired ratios 0.980 to 1.138,
+`28a9b4d1`) and 1.022x at 32k (0.993 to 1.042, `6b168f25`); those records say INVALID by bench_ab's launch-config
+logits tolerance (2e-2), which a change of KDA's rounding exceeds (4.9e-2 and 3.8e-2 here). Around the new default
+(sweep of 5665093): the scan's four stages 0.666 ms `31723a44` against 0.690 `cd6de7ec`, and no faster in the whole
+prefill (1.003x at 8k `60e5827a`, 1.0025x at 32k `d59e78cc`, the same bits), so three stay; slices of 32 0.765, of
+128 0.817; the scan's other tiles 0.689 to 2.85. fp32 inputs keep chunks of 32 on two warps (CONFIG "exact").
 Measured and removed: a "blocked" prep (the pairs inside 16-row sub-blocks by a walk of decay products instead
 of the four small levels' tl.dots, their inverse by forward substitution) was slower at every length and
 config: 8192 tokens 2.81 ms at best `31edc9ae`, 3.24 ms at the default tiles `50b812e5`. The dots of the small
