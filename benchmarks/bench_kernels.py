@@ -318,7 +318,12 @@ DECODE_SWEEP = ([dict(grid="strided", BV=bv, num_warps=nw) for bv in (8, 16, 32,
                 # the whole state in one program (the default at every batch since the sweep of ca2d42f). Over 8 or
                 # 16 warps it took 2.3x to 3.4x the 4 warps' time in that sweep (B=1 13.8 / 15.4 us `68648d1c` /
                 # `14a9097c`, B=64 234.3 / 259.5 us `70eb9fd4` / `8e544db4`) and spills since its load order: dropped
-                + [dict(grid="strided", BV=bv, num_warps=nw) for bv, nw in ((64, 8), (128, 4))])
+                + [dict(grid="strided", BV=bv, num_warps=nw) for bv, nw in ((64, 8), (128, 4))]
+                # o from the state before the update (kda_decode._update_columns' EARLY_O), at the fastest configs
+                # of each kind in the sweep of 8f00376
+                + [dict(grid=g, BV=bv, num_warps=nw, early_o=True)
+                   for g, bv, nw in (("strided", 128, 4), ("adjacent", 32, 1), ("adjacent", 32, 2),
+                                     ("adjacent", 16, 4), ("strided", 32, 2), ("strided", 64, 4))])
 
 
 # A config's bf16 output against the default's: another fp32 summation order flips the rounding of a few elements

@@ -340,14 +340,15 @@ def test_decode_matches_reference_composition(B, H, d, W, dtype, A_shift, seed):
 
 @given(B=st.sampled_from([1, 2, 5]), H=st.integers(1, 2), d=st.sampled_from([16, 32, 64]), W=st.integers(2, 4),
        dtype=st.sampled_from(sorted(DTYPES)), A_shift=st.sampled_from([-6.0, 0.0, 7.0]),
-       grid=st.sampled_from(GRIDS), BV=st.sampled_from([8, 16, 32]), seed=st.integers(0, 2**16))
-def test_decode_grids_match_the_default(B, H, d, W, dtype, A_shift, grid, BV, seed):
-    """Every grid, with one to eight column blocks per head, is the default's step: the same taps, o and
-    state, and at fp32 the reference composition's.
+       grid=st.sampled_from(GRIDS), BV=st.sampled_from([8, 16, 32]), early_o=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_decode_grids_match_the_default(B, H, d, W, dtype, A_shift, grid, BV, early_o, seed):
+    """Every grid, with one to eight column blocks per head, and o from the state before or after the update, is
+    the default's step: the same taps, o and state, and at fp32 the reference composition's.
     (At bf16 the interpreter truncates where torch rounds, which the reference test's draws stay clear of.)"""
     inp = decode_inputs(B, H, d, W, DTYPES[dtype], seed, A_shift)
     o0, state0, taps0 = run_decode(inp)
-    o, state, taps = run_decode(inp, cfg=dict(grid=grid, BV=BV))
+    o, state, taps = run_decode(inp, cfg=dict(grid=grid, BV=BV, early_o=early_o))
     assert o.dtype == inp["qkv_raw"].dtype and o.shape == (B, H, d)
     assert torch.equal(taps, taps0)
     tol = 1e-6 if dtype == "fp32" else 1e-2
@@ -670,8 +671,8 @@ def sm90_spills() -> dict:
         "scan": chunk_scan(bf, "tf32", kc.CONFIG["scan_dots"] == "bf16"),
         "decode": stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32",
                                                       "eps": "fp32"},
-                              dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False),
-                              num_warps=kd.DECODE["num_warps"]),
+                              dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False,
+                                   EARLY_O=kd.DECODE["early_o"]), num_warps=kd.DECODE["num_warps"]),
         "norm": stack_bytes(nm._rmsnorm_kernel, {**dict.fromkeys(["x", "res", "gate", "weight", "y", "res_out"], bf),
                                                  "N": "i32", "stride_x": "i32",
                                                  "eps": "fp32"},
@@ -683,12 +684,12 @@ def sm90_spills() -> dict:
     # one program per head (BV = D), which normalises o in registers and shifts the taps without the counter
     out["decode_whole"] = max(
         stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
-                    dict(H=32, D=128, W=4, WP=4, BV=128, HAS_NORM=norm, ADJACENT=False), num_warps=4)
+                    dict(H=32, D=128, W=4, WP=4, BV=128, HAS_NORM=norm, ADJACENT=False, EARLY_O=False), num_warps=4)
         for norm in (True, False))
     out["decode_adjacent"] = max(
         stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
-                    dict(H=32, D=128, W=4, WP=4, BV=bv, HAS_NORM=True, ADJACENT=True), num_warps=nw)
-        for bv, nw in ((8, 2), (16, 4), (32, 4)))
+                    dict(H=32, D=128, W=4, WP=4, BV=bv, HAS_NORM=True, ADJACENT=True, EARLY_O=e), num_warps=nw)
+        for bv, nw, e in ((8, 2, False), (16, 4, False), (32, 4, False), (32, 1, True), (32, 2, True)))
     from model.triton import moe
     I, D, K = 1024, 2304, 8
     gu, dn, ro = moe.GATE_UP, moe.DOWN, moe.ROUTER
@@ -710,8 +711,8 @@ def sm90_spills() -> dict:
         dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"], PDL=True), num_warps=dn["num_warps"])
     out["decode_fp32"] = stack_bytes(kd._kda_decode_kernel, {**{n: (f32 if t == bf else t) for n, t in decode_sig.items()},
                                                              "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
-                                     dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False),
-                                     num_warps=kd.DECODE["num_warps"])
+                                     dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False,
+                                          EARLY_O=kd.DECODE["early_o"]), num_warps=kd.DECODE["num_warps"])
     out["moe_route"] = stack_bytes(moe._moe_route_kernel, {"logits_ptr": f32, "bias_ptr": f32, "idx_ptr": "*i64",
                                                           "w_ptr": f32, "scaling": "fp32"},
                                    dict(E=256, K=K, BLOCK_E=256, RENORM=True))
@@ -959,8 +960,10 @@ def test_gpu_chunk_saturated_gates(regime):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B", [1, 8, 64])
 @pytest.mark.parametrize("cfg", [None, dict(grid="adjacent", BV=16, num_warps=4), dict(grid="strided", BV=16, num_warps=4),
-                                 dict(grid="adjacent", BV=32, num_warps=2), dict(grid="strided", BV=128, num_warps=8)],
-                         ids=["default", "adjacent16", "strided16", "adjacent32", "whole128"])
+                                 dict(grid="adjacent", BV=32, num_warps=2), dict(grid="strided", BV=128, num_warps=8),
+                                 dict(early_o=True), dict(grid="adjacent", BV=32, num_warps=1, early_o=True)],
+                         ids=["default", "adjacent16", "strided16", "adjacent32", "whole128", "early_o",
+                              "adjacent32_early_o"])
 def test_gpu_decode_real_shapes(B, dtype, cfg, no_tf32):
     """Several steps in a row at 32 heads x 128 (several state blocks per head, finished by whichever
     block comes last): every step's o, state and taps against the composition

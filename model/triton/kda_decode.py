@@ -56,7 +56,7 @@ from model.triton.norms import _rms_normalize
 # fastest config at B=1 (6.03 us `71bf57c0`; next 6.54 `e2e8de7f`) and at B=64 (75.9 us `a677c29a`; next 81.8
 # `30edaf14`), sweep of ca2d42f, and again at B=1, 8 and 64 in the sweep of 8f00376 (6.02 us `903f1119`, 12.87 us
 # `55c8e108`, 75.87 us `5c2d7236`). One config for every batch.
-DECODE = dict(BV=128, num_warps=4, grid="strided")
+DECODE = dict(BV=128, num_warps=4, grid="strided", early_o=False)
 GRIDS = ("strided", "adjacent")  # see the module docstring
 
 
@@ -101,24 +101,50 @@ def _qkv_conv(x, S_X, taps, conv_w, i_b, ch_q, ch_k, ch_v, C: tl.constexpr, W: t
     return _silu_rounded(acc_q, xdt, wdt), _silu_rounded(acc_k, xdt, wdt), _silu_rounded(acc_v, xdt, wdt)
 
 
-@triton.jit(noinline=True)
-def _shift_taps(x, S_X, taps, i_b, i_h, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """Drop the oldest tap and append the current input (taps hold the last W-1 inputs), for the q, k and v
-    channels of head i_h (three groups of D, H*D apart; lanes for four, the fourth masked off), all read
-    before any is written: one round trip. Rereads what it moves; a separate function, so that its registers
-    are not added to the state update's."""
-    C: tl.constexpr = 3 * H * D
+@triton.jit
+def _tap_lanes(i_h, i_v, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, QK: tl.constexpr):
+    """The channels (and lane mask) of the conv taps that the block of columns i_v of head i_h moves: its own v
+    channels and, with QK, the head's q and k channels (as lanes of 4*D: q, k, the block's BV of v, then masked)."""
+    if QK:
+        lane = tl.arange(0, 4 * D)
+        grp = lane // D
+        ch = (grp * H + i_h) * D + tl.where(grp == 2, i_v * BV, 0) + lane % D
+        m_ch = (grp < 2) | ((grp == 2) & (lane % D < BV))
+    else:
+        lane = tl.arange(0, BV)
+        ch = (2 * H + i_h) * D + i_v * BV + lane
+        m_ch = lane < BV
+    return ch, m_ch
+
+
+@triton.jit
+def _tap_rows(x, S_X, taps, i_b, ch, m_ch, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """For the conv taps of channels ch (taps hold the last W-1 inputs): their pointers, the mask of the rows that
+    stay (1 .. W-2, each to move one row up), those rows, and the current input (to become the last row)."""
     j = tl.arange(0, WP)
-    lane = tl.arange(0, 4 * D)
-    ch = i_h * D + lane // D * (H * D) + lane % D
-    m_ch = lane < 3 * D
     p_taps = taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :]
     keep = ((j >= 1) & (j < W - 1))[:, None] & m_ch[None, :]
-    old = tl.load(p_taps, mask=keep, other=0.)
-    b_x = tl.load(x + i_b.to(tl.int64) * S_X + ch, mask=m_ch)
-    tl.debug_barrier()  # every thread has read the rows before any row is overwritten
+    return p_taps, keep, tl.load(p_taps, mask=keep, other=0.), tl.load(x + i_b.to(tl.int64) * S_X + ch, mask=m_ch)
+
+
+@triton.jit
+def _store_tap_rows(p_taps, keep, old, b_x, taps, i_b, ch, m_ch, C: tl.constexpr, W: tl.constexpr):
+    """The taps shifted: each kept row one row up, the current input as the last row (`_tap_rows` read them)."""
     tl.store(p_taps - C, old, mask=keep)
     tl.store(taps + (i_b * (W - 1) + W - 2).to(tl.int64) * C + ch, b_x.to(taps.dtype.element_ty), mask=m_ch)
+
+
+@triton.jit(noinline=True)
+def _shift_taps(x, S_X, taps, i_b, i_h, i_v, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
+                WP: tl.constexpr, QK: tl.constexpr):
+    """Drop the oldest tap and append the current input, for the channels of `_tap_lanes`, all read before any is
+    written: one round trip. Rereads what it moves; a separate function, so that its registers are not added to
+    the state update's."""
+    C: tl.constexpr = 3 * H * D
+    ch, m_ch = _tap_lanes(i_h, i_v, H, D, BV, QK)
+    p_taps, keep, old, b_x = _tap_rows(x, S_X, taps, i_b, ch, m_ch, C, W, WP)
+    tl.debug_barrier()  # every thread has read the rows before any row is overwritten
+    _store_tap_rows(p_taps, keep, old, b_x, taps, i_b, ch, m_ch, C, W)
 
 
 @triton.jit
@@ -142,13 +168,21 @@ def _gated_norm(o_row, gate, w, eps, D: tl.constexpr):
 
 
 @triton.jit(noinline=True)
-def _gated_norm_row(p_o, p_gate, norm_w, eps, D: tl.constexpr):
-    """o <- rmsnorm(o) * norm_w * sigmoid(gate) in place, for one row of D (o as stored, in its dtype)."""
+def _finish_head(x, S_X, taps, i_b, i_h, i_v, p_o, p_gate, norm_w, eps, H: tl.constexpr, D: tl.constexpr,
+                 BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """`_shift_taps` with QK, and the row of D o values at p_o (o as stored, in its dtype) replaced by
+    rmsnorm(o) * norm_w * sigmoid(gate), in one round trip: the taps' rows and the o row read together, then
+    both written."""
+    C: tl.constexpr = 3 * H * D
+    ch, m_ch = _tap_lanes(i_h, i_v, H, D, BV, True)
+    p_taps, keep, old, b_x = _tap_rows(x, S_X, taps, i_b, ch, m_ch, C, W, WP)
     cd = tl.arange(0, D)
     o_row = tl.load(p_o + cd, cache_modifier=".cg").to(tl.float32)   # o of other programs: skip L1
-    o_row = _gated_norm(o_row, tl.load(p_gate + cd).to(tl.float32), tl.load(norm_w + cd).to(tl.float32), eps, D)
-    tl.debug_barrier()
-    tl.store(p_o + cd, o_row.to(p_o.dtype.element_ty))
+    gate = tl.load(p_gate + cd).to(tl.float32)
+    w = tl.load(norm_w + cd).to(tl.float32)
+    tl.debug_barrier()  # every thread has read the taps and o before any of them is overwritten
+    _store_tap_rows(p_taps, keep, old, b_x, taps, i_b, ch, m_ch, C, W)
+    tl.store(p_o + cd, _gated_norm(o_row, gate, w, eps, D).to(p_o.dtype.element_ty))
 
 
 @triton.jit
@@ -163,8 +197,14 @@ def _head_inputs(b_q, b_k, b_f, a_log, b_raw, scale):
 
 
 @triton.jit
-def _update_columns(S, b_q, b_k, decay, b_beta, b_v):
-    """The delta-rule step on a block of state columns S [D, BV] with their v [BV]: (new S, o [BV])."""
+def _update_columns(S, b_q, b_k, decay, b_beta, b_v, EARLY_O: tl.constexpr):
+    """The delta-rule step on a block of state columns S [D, BV] with their v [BV]: (new S, o [BV]).
+    EARLY_O: o from the state before the update, o = S^T (e^g q) + u (k.q) (the same value, summed in another
+    order), so that neither reduction over S waits for the other."""
+    if EARLY_O:
+        b_u = b_beta * (b_v - tl.sum(S * (b_k * decay)[:, None], axis=0))
+        b_o = tl.sum(S * (b_q * decay)[:, None], axis=0) + b_u * tl.sum(b_k * b_q)
+        return S * decay[:, None] + b_k[:, None] * b_u[None, :], b_o
     S = S * decay[:, None]
     b_u = b_beta * (b_v - tl.sum(S * b_k[:, None], axis=0))
     S += b_k[:, None] * b_u[None, :]
@@ -175,7 +215,7 @@ def _update_columns(S, b_q, b_k, decay, b_beta, b_v):
 def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, out_gate, norm_w, arrivals, scale, eps,
                    S_X, S_F, S_B, S_G,
                    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                   HAS_NORM: tl.constexpr, ADJACENT: tl.constexpr):
+                   HAS_NORM: tl.constexpr, ADJACENT: tl.constexpr, EARLY_O: tl.constexpr):
     """One token of KDA for one (sequence, head) and one block of BV state columns. Grid (B*H, D // BV), or
     with ADJACENT (B*H * D // BV,), the blocks of a head on consecutive program ids.
 
@@ -224,7 +264,7 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
                               C, W)
     b_q, b_k, decay, b_beta = _head_inputs(b_q, b_k, b_f.to(tl.float32) + b_dt.to(tl.float32), a_log.to(tl.float32),
                                            b_b.to(tl.float32), scale)
-    S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v)
+    S, b_o = _update_columns(S, b_q, b_k, decay, b_beta, b_v, EARLY_O)
     p_o = o + i_bh.to(tl.int64) * D
     if WHOLE and HAS_NORM:  # the whole row of o is here: normalise it before it is stored
         b_o = _gated_norm(b_o.to(o.dtype.element_ty).to(tl.float32), b_gate.to(tl.float32), b_nw.to(tl.float32), eps, D)
@@ -233,17 +273,22 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     tl.store(p_o + cv, b_o.to(o.dtype.element_ty))
 
     if WHOLE:
-        _shift_taps(qkv, S_X, taps, i_b, i_h, H, D, W, WP)
+        _shift_taps(qkv, S_X, taps, i_b, i_h, i_v, H, D, BV, W, WP, True)
     else:
-        # Report in once every thread of this block is done with the taps and has stored its o (acq_rel
-        # atomic); the last of the head's blocks to report finishes the head: the taps of all its q, k and v
-        # channels in one round trip (a block's own v taps too, off the other blocks' critical path).
+        # Report in once every thread of this block is done with the taps and has stored its o (acq_rel atomic).
+        # The last of the head's blocks to report finishes the head: the q and k taps, which every block read, and
+        # with HAS_NORM the row of o, read together (one round trip after the atomic's). Every block moves its own
+        # v taps, which no other block reads; the others after reporting in, off the last block's path.
         tl.debug_barrier()
         if tl.atomic_add(arrivals + i_bh, 1) == D // BV - 1:
-            _shift_taps(qkv, S_X, taps, i_b, i_h, H, D, W, WP)
             if HAS_NORM:
-                _gated_norm_row(p_o, out_gate + i_b64 * S_G + i_h * D, norm_w, eps, D)
+                _finish_head(qkv, S_X, taps, i_b, i_h, i_v, p_o, out_gate + i_b64 * S_G + i_h * D, norm_w, eps,
+                             H, D, BV, W, WP)
+            else:
+                _shift_taps(qkv, S_X, taps, i_b, i_h, i_v, H, D, BV, W, WP, True)
             tl.atomic_xchg(arrivals + i_bh, 0)
+        else:
+            _shift_taps(qkv, S_X, taps, i_b, i_h, i_v, H, D, BV, W, WP, False)
 
 
 def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, scale=None, *,
@@ -251,7 +296,8 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     """One KDA decode step for B sequences, one launch (one program per sequence, head and block of BV
     state columns; a counter buffer per device (`model.triton.arrival_counters`) lets the last block of
     each head finish it: one decode step at a time per device). `cfg` overrides keys of DECODE:
-    BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring).
+    BV (state columns per block), num_warps, grid (one of GRIDS, see the module docstring), early_o (o from the
+    state before the update, `_update_columns`).
 
     qkv_raw [B, 3*H*d]: the q|k|v projections before the conv (model dtype). qkv_raw, f, b_raw and out_gate are
     read in place when each row's values are contiguous, whatever the stride between rows (column slices of a
@@ -319,5 +365,6 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
     adjacent = c["grid"] == "adjacent"
     _kda_decode_kernel[(B * H * (D // BV),) if adjacent else (B * H, D // BV)](
         *args, mt.arrival_counters(state.device, B * H), scale, float(norm_eps), qkv_raw.stride(0), f.stride(0),
-        b_raw.stride(0), 0 if out_gate is None else out_gate.stride(0), **meta, ADJACENT=adjacent)
+        b_raw.stride(0), 0 if out_gate is None else out_gate.stride(0), **meta, ADJACENT=adjacent,
+        EARLY_O=bool(c["early_o"]))
     return o
