@@ -2,7 +2,7 @@
 `kda_gate`, sigmoid and `recurrent_kda_step` (and, optionally, the gated output RMSNorm).
 
 One program per (sequence, head, block of BV state columns), laid out by the config's `grid`, the head's last
-  block to finish shifting the conv taps and normalising o (at batch 1 and BV=32: 128 programs, each
+  block to finish shifting the q and k conv taps and normalising o (at batch 1 and BV=32: 128 programs, each
   moving 16 KB of fp32 state in and out). "strided" numbers the programs head-fastest, so the D/BV blocks of
   one head's state run B*H programs apart (at batch 64, in different waves: each reads 4*BV bytes of every
   512-byte row while the rest of the row waits for a later wave); "adjacent" numbers them block-fastest, so a
@@ -34,6 +34,10 @@ SASS) and no faster (B=1 6.20 us `276aab53` against 6.02 `903f1119`; B=64 75.92 
 Also measured and removed (run of 9cd1aaa): the step launched early (PDL) after the model's projections, its state,
 taps and weights read before griddepcontrol.wait. Timed after the projections (32 layers, each its projections
 then the step, less the projections alone) it took 7.00 us against 6.72 plain, fla's call 6.17 (B=1, `292191df`).
+The counter path's tail since c2959e6: after the atomic, the last block reads the q and k taps and the row of o
+together and writes both (one round trip; before, the taps' round trip, then the o row's), and each block moves its
+own v taps, the others after reporting in. Meant to bring the split configs under one program a head at batch 1,
+where the whole-head program moves 64 KB of state each way through each of 32 SMs; not yet timed on the H200.
 A cluster of CTAs a head (num_ctas=2, the norm's sum through distributed shared memory) does not compile in Triton
 3.6 (its CTA planning fails on this kernel's reductions).
 """
