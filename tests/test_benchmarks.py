@@ -654,10 +654,16 @@ def test_kernel_ms_sums_the_work_of_one_call():
     time of a call of one, and nothing is counted from outside the calls."""
     from benchmarks import bench_kernels as bk
     a = torch.randn(384, 384)
-    # the least of three alternating runs each: a 2-core machine's stray slow spell (or the first profile a process
-    # takes) lands on one run, not on the ratio
-    one, two = (min(ms) for ms in zip(*[(bk.kernel_ms(lambda: a @ a, "cpu", n=20),
-                                          bk.kernel_ms(lambda: (a @ a, a @ a), "cpu", n=20)) for _ in range(3)]))
+    # One intra-op thread: with two, another process on a 2-core machine stalls a matmul at its threads' barrier
+    # (seen: 4.9x for two matmuls, with a second pytest running beside CI). The least of three alternating runs
+    # each: a stray slow spell (or the first profile a process takes) lands on one run, not on the ratio.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one, two = (min(ms) for ms in zip(*[(bk.kernel_ms(lambda: a @ a, "cpu", n=20),
+                                              bk.kernel_ms(lambda: (a @ a, a @ a), "cpu", n=20)) for _ in range(3)]))
+    finally:
+        torch.set_num_threads(threads)
     assert one > 0 and 1.3 < two / one < 3.0, (one, two)
 
 
