@@ -23,7 +23,7 @@ us `4ff7892a` to 6.02 us `d888cefc` (fla's call 5.34 in the same run), and one p
 config at B=64 too (75.9 us `a677c29a`, the 32-column "adjacent" default of before 88.8 `042c2fd8`, fla 87.6 in the
 run's vs-peer case `b28e18a3`).
 Two orderings were measured and removed before that (graph-timed sweep of 00fa6bf): a whole head reading its conv
-taps with the other loads and writing them at the end, instead of the second round trip of `_shift_taps` (B=1
+taps with the other loads and writing them at the end, instead of the second round trip of the tap shift (`_finish_block`) (B=1
 6.96 us `5226d884` against 6.90 `5e1caee4`; B=64 89.8 against 92.4 us, `729f6ad9` / `ba38b11b`, one sample each,
 and not the default there), and the counter path storing its state block after reporting in, so that the release
 waits for o alone (B=1 at best 6.77 us `5c33123d` against 6.84 `c28f6baa`; B=64 86.0 against 87.4 us at the
@@ -112,8 +112,12 @@ def _tap_lanes(i_h, i_v, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, QK:
     if QK:
         lane = tl.arange(0, 4 * D)
         grp = lane // D
-        ch = (grp * H + i_h) * D + tl.where(grp == 2, i_v * BV, 0) + lane % D
-        m_ch = (grp < 2) | ((grp == 2) & (lane % D < BV))
+        if BV == D:  # the head's whole v (a block that holds the head): no offsets or masks within a group
+            ch = (grp * H + i_h) * D + lane % D
+            m_ch = grp < 3
+        else:
+            ch = (grp * H + i_h) * D + tl.where(grp == 2, i_v * BV, 0) + lane % D
+            m_ch = (grp < 2) | ((grp == 2) & (lane % D < BV))
     else:
         lane = tl.arange(0, BV)
         ch = (2 * H + i_h) * D + i_v * BV + lane
@@ -121,34 +125,31 @@ def _tap_lanes(i_h, i_v, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, QK:
     return ch, m_ch
 
 
-@triton.jit
-def _tap_rows(x, S_X, taps, i_b, ch, m_ch, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """For the conv taps of channels ch (taps hold the last W-1 inputs): their pointers, the mask of the rows that
-    stay (1 .. W-2, each to move one row up), those rows, and the current input (to become the last row)."""
-    j = tl.arange(0, WP)
-    p_taps = taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :]
-    keep = ((j >= 1) & (j < W - 1))[:, None] & m_ch[None, :]
-    return p_taps, keep, tl.load(p_taps, mask=keep, other=0.), tl.load(x + i_b.to(tl.int64) * S_X + ch, mask=m_ch)
-
-
-@triton.jit
-def _store_tap_rows(p_taps, keep, old, b_x, taps, i_b, ch, m_ch, C: tl.constexpr, W: tl.constexpr):
-    """The taps shifted: each kept row one row up, the current input as the last row (`_tap_rows` read them)."""
-    tl.store(p_taps - C, old, mask=keep)
-    tl.store(taps + (i_b * (W - 1) + W - 2).to(tl.int64) * C + ch, b_x.to(taps.dtype.element_ty), mask=m_ch)
-
-
 @triton.jit(noinline=True)
-def _shift_taps(x, S_X, taps, i_b, i_h, i_v, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
-                WP: tl.constexpr, QK: tl.constexpr):
-    """Drop the oldest tap and append the current input, for the channels of `_tap_lanes`, all read before any is
-    written: one round trip. Rereads what it moves; a separate function, so that its registers are not added to
-    the state update's."""
+def _finish_block(x, S_X, taps, i_b, i_h, i_v, p_o, p_gate, norm_w, eps, H: tl.constexpr, D: tl.constexpr,
+                  BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, QK: tl.constexpr, NORM: tl.constexpr):
+    """What a block does after its state and o are stored: drop the oldest conv tap and append the current input,
+    for the channels of `_tap_lanes` (taps hold the last W-1 inputs), and with NORM replace the row of D o values at
+    p_o (o as stored, in its dtype) by rmsnorm(o) * norm_w * sigmoid(gate). Everything is read before anything is
+    written: one round trip. Rereads what it moves; a separate function, so that its registers are not added to the
+    state update's."""
     C: tl.constexpr = 3 * H * D
     ch, m_ch = _tap_lanes(i_h, i_v, H, D, BV, QK)
-    p_taps, keep, old, b_x = _tap_rows(x, S_X, taps, i_b, ch, m_ch, C, W, WP)
-    tl.debug_barrier()  # every thread has read the rows before any row is overwritten
-    _store_tap_rows(p_taps, keep, old, b_x, taps, i_b, ch, m_ch, C, W)
+    j = tl.arange(0, WP)
+    p_taps = taps + (i_b * (W - 1) + j[:, None]).to(tl.int64) * C + ch[None, :]
+    keep = ((j >= 1) & (j < W - 1))[:, None] & m_ch[None, :]   # rows 1 .. W-2 stay, each one row up
+    old = tl.load(p_taps, mask=keep, other=0.)
+    b_x = tl.load(x + i_b.to(tl.int64) * S_X + ch, mask=m_ch)
+    if NORM:
+        cd = tl.arange(0, D)
+        o_row = tl.load(p_o + cd, cache_modifier=".cg").to(tl.float32)   # o of other programs: skip L1
+        gate = tl.load(p_gate + cd).to(tl.float32)
+        w = tl.load(norm_w + cd).to(tl.float32)
+    tl.debug_barrier()  # every thread has read the taps (and o) before any of them is overwritten
+    tl.store(p_taps - C, old, mask=keep)
+    tl.store(taps + (i_b * (W - 1) + W - 2).to(tl.int64) * C + ch, b_x.to(taps.dtype.element_ty), mask=m_ch)
+    if NORM:
+        tl.store(p_o + cd, _gated_norm(o_row, gate, w, eps, D).to(p_o.dtype.element_ty))
 
 
 @triton.jit
@@ -169,24 +170,6 @@ def _gated_norm(o_row, gate, w, eps, D: tl.constexpr):
     """rmsnorm(o) * w * sigmoid(gate) for one whole row of D values (fp32 in, fp32 out; o as stored): the norm
     kernel's `_rms_normalize` on o as a one-row tile."""
     return tl.reshape(_rms_normalize(o_row[None, :], D, eps), [D]) * w * tl.sigmoid(gate)
-
-
-@triton.jit(noinline=True)
-def _finish_head(x, S_X, taps, i_b, i_h, i_v, p_o, p_gate, norm_w, eps, H: tl.constexpr, D: tl.constexpr,
-                 BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """`_shift_taps` with QK, and the row of D o values at p_o (o as stored, in its dtype) replaced by
-    rmsnorm(o) * norm_w * sigmoid(gate), in one round trip: the taps' rows and the o row read together, then
-    both written."""
-    C: tl.constexpr = 3 * H * D
-    ch, m_ch = _tap_lanes(i_h, i_v, H, D, BV, True)
-    p_taps, keep, old, b_x = _tap_rows(x, S_X, taps, i_b, ch, m_ch, C, W, WP)
-    cd = tl.arange(0, D)
-    o_row = tl.load(p_o + cd, cache_modifier=".cg").to(tl.float32)   # o of other programs: skip L1
-    gate = tl.load(p_gate + cd).to(tl.float32)
-    w = tl.load(norm_w + cd).to(tl.float32)
-    tl.debug_barrier()  # every thread has read the taps and o before any of them is overwritten
-    _store_tap_rows(p_taps, keep, old, b_x, taps, i_b, ch, m_ch, C, W)
-    tl.store(p_o + cd, _gated_norm(o_row, gate, w, eps, D).to(p_o.dtype.element_ty))
 
 
 @triton.jit
@@ -276,8 +259,9 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
     tl.store(p_s, S)
     tl.store(p_o + cv, b_o.to(o.dtype.element_ty))
 
-    if WHOLE:
-        _shift_taps(qkv, S_X, taps, i_b, i_h, i_v, H, D, BV, W, WP, True)
+    p_gate = out_gate + i_b64 * S_G + i_h * D if HAS_NORM else p_o   # p_o: a pointer no NORM=False call reads
+    if WHOLE:  # o was normalised in registers
+        _finish_block(qkv, S_X, taps, i_b, i_h, i_v, p_o, p_gate, norm_w, eps, H, D, BV, W, WP, True, False)
     else:
         # Report in once every thread of this block is done with the taps and has stored its o (acq_rel atomic).
         # The last of the head's blocks to report finishes the head: the q and k taps, which every block read, and
@@ -285,14 +269,10 @@ def _kda_decode_kernel(qkv, taps, conv_w, f, A_log, dt_bias, b_raw, state, o, ou
         # v taps, which no other block reads; the others after reporting in, off the last block's path.
         tl.debug_barrier()
         if tl.atomic_add(arrivals + i_bh, 1) == D // BV - 1:
-            if HAS_NORM:
-                _finish_head(qkv, S_X, taps, i_b, i_h, i_v, p_o, out_gate + i_b64 * S_G + i_h * D, norm_w, eps,
-                             H, D, BV, W, WP)
-            else:
-                _shift_taps(qkv, S_X, taps, i_b, i_h, i_v, H, D, BV, W, WP, True)
+            _finish_block(qkv, S_X, taps, i_b, i_h, i_v, p_o, p_gate, norm_w, eps, H, D, BV, W, WP, True, HAS_NORM)
             tl.atomic_xchg(arrivals + i_bh, 0)
         else:
-            _shift_taps(qkv, S_X, taps, i_b, i_h, i_v, H, D, BV, W, WP, False)
+            _finish_block(qkv, S_X, taps, i_b, i_h, i_v, p_o, p_gate, norm_w, eps, H, D, BV, W, WP, False, False)
 
 
 def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, state, scale=None, *,
