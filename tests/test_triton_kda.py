@@ -617,6 +617,36 @@ def _segment_sums_kernel(broken: bool):
     return segment_sums
 
 
+def launched(fn, sig: dict, consts: dict, values: dict) -> tuple[dict, dict, dict]:
+    """(signature, constants, attributes) of the build Triton's launcher makes for a call of fn whose int arguments
+    have `values`, by the launcher's own rule (`native_specialize_impl`): an int equal to 1 becomes a constant, an
+    int that is a multiple of 16 is compiled as one (tt.divisibility), and its type is i32 or i64 by its size.
+    Pointers are taken 16-byte aligned, as torch's allocations and the model's column slices are. Every int
+    argument needs a value: without the multiples of 16, a build keeps the address arithmetic of unknown strides,
+    so its loads are narrower and Triton's pipeliner leaves them synchronous (seen: the MLA split kernel, whose
+    cache loads the H200 runs as multi-buffered async copies, built without them), and its registers and
+    spills are not those of the kernel that runs."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    ints = {name for name, t in sig.items() if t in ("i32", "i64")}
+    if set(values) != ints:
+        raise ValueError(f"{fn.__name__}: values needed for the int arguments {sorted(ints)}, got {sorted(values)}")
+    sig, consts = dict(sig), dict(consts)
+    multiple_of_16 = set()
+    for name, v in values.items():
+        kind, spec = native_specialize_impl(BaseBackend, v, False, True, True)
+        if kind == "constexpr":
+            consts[name] = v
+        else:
+            sig[name] = kind
+            if spec == "D":
+                multiple_of_16.add(name)
+    sig = {**sig, **{name: "constexpr" for name in consts}}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name, t in sig.items() if t[0] == "*" or name in multiple_of_16}
+    return sig, consts, attrs
+
+
 def sm90_spills() -> dict:
     """Compile each kernel at the model's shapes (32 heads of 128, bf16) for sm_90: bytes of stack
     (register spills) per thread, by kernel; `broken` is None when the deliberately broken twin of
@@ -626,23 +656,41 @@ def sm90_spills() -> dict:
     from triton.compiler import ASTSource
     from model.triton import kda_chunk as kc, kda_decode as kd, norms as nm
 
-    def stack_bytes(fn, sig, consts, **opts):
-        sig = {**sig, **{name: "constexpr" for name in consts}}
-        # pointers 16-byte aligned, as the launcher specialises torch's allocations: the 16-byte vector loads
-        # the GPU runs (without this, every load compiles to scalar loads and the register count is not real)
-        aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, t in sig.items() if t[0] == "*"}
-        k = triton.compile(ASTSource(fn, sig, consts, aligned), target=GPUTarget("cuda", 90, 32), options=opts)
-        # an H200 refuses a launch past 227 KB of shared memory per block (seen: the fp32 MLA tile at BL=64)
-        assert k.metadata.shared <= 232448, f"{fn.__name__}: {k.metadata.shared} B of shared memory"
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        return int(usage.split("STACK:")[1].split()[0])
+    def stack_bytes(fn, sig, consts, ints=None, **opts):
+        """The most stack (spilled registers) a thread uses in fn's sm_90 builds, one build per launch in `ints`: the
+        values of fn's int arguments at a launch the model makes (a dict, or a list of them where the model's
+        launches specialise differently), each build specialised as Triton's launcher specialises that launch."""
+        worst = 0
+        for values in [ints or {}] if not isinstance(ints, list) else ints:
+            s, c, attrs = launched(fn, sig, consts, values)
+            k = triton.compile(ASTSource(fn, s, c, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+            # an H200 refuses a launch past 227 KB of shared memory per block (seen: the fp32 MLA tile at BL=64)
+            assert k.metadata.shared <= 232448, f"{fn.__name__}: {k.metadata.shared} B of shared memory"
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+                usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+            worst = max(worst, int(usage.split("STACK:")[1].split()[0]))
+        return worst
+
+    def async_copies(fn, sig, consts, ints, **opts):
+        """Whether fn's sm_90 build for a launch with these ints loads through async copies (Triton's pipeliner)."""
+        s, c, attrs = launched(fn, sig, consts, ints)
+        k = triton.compile(ASTSource(fn, s, c, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+        return "ttg.async_copy_global_to_local" in k.asm["ttgir"]
 
     bf, f32 = "*bf16", "*fp32"
     c = kc.CONFIG
+    # The int arguments of the model's launches at its shapes (hidden 2304, 32 heads, bf16). Lengths that vary
+    # (tokens T of a prefill, rows N) at a multiple of 16 and at one that is not, as the launcher builds one
+    # kernel for each; rows also at 1 (decode), which it builds as a constant.
+    Ts = (8192, 1000)
+    kda_rows = 3 * 32 * 128 + 2 * 128 + 32      # the KDA layer's packed q|k|v|f_a|g_a|b projection output
+    mla_rows = 32 * 192 + 512 + 64             # the MLA layer's packed q|kv_a output
+    L = 2048                                   # an MLA cache buffer's positions (strides L*512, L*64)
+    mla_ints = dict(s_qpe_b=mla_rows, s_qpe_h=192, s_c_b=L * 512, s_c_l=512, s_kpe_b=L * 64, s_kpe_l=64)
+    decode_ints = dict(S_X=kda_rows, S_F=32 * 128, S_B=kda_rows, S_G=32 * 128)
 
     def chunk_prep(io, prec, bf16_dots):
         """The chunk prep kernel at the default tiles, q/k/v and its outputs of pointer type io (g fp32 or io)."""
@@ -652,7 +700,8 @@ def sm90_spills() -> dict:
                             "T": "i32", "NT": "i32", "scale": "fp32"},
                            dict(H=32, K=128, V=128, BT=c["chunk"], BK=c["slice"], LOG2_BT=c["chunk"].bit_length() - 1,
                                 L2NORM=True, PREC=prec, S_Q=3 * 32 * 128, S_K=3 * 32 * 128, S_V=3 * 32 * 128,
-                                S_G=32 * 128, BF16_DOTS=bf16_dots, COMPILED=True), num_warps=c["prep_warps"],
+                                S_G=32 * 128, BF16_DOTS=bf16_dots, COMPILED=True),
+                           [dict(T=T, NT=triton.cdiv(T, c["chunk"])) for T in Ts], num_warps=c["prep_warps"],
                            num_stages=c["prep_stages"])
 
     def chunk_scan(io, prec, bf16_dots):
@@ -661,7 +710,7 @@ def sm90_spills() -> dict:
                             **dict.fromkeys(["eglast", "h0", "ht"], f32), "T": "i32", "NT": "i32"},
                            dict(H=32, K=128, V=128, BT=c["chunk"], BV=c["scan_bv"], HAS_H0=True, STORE_HT=True,
                                 PREC=prec, BF16_DOTS=bf16_dots, COMPILED=True, STAGES=c["scan_stages"]),
-                           num_warps=c["scan_warps"])
+                           [dict(T=T, NT=triton.cdiv(T, c["chunk"])) for T in Ts], num_warps=c["scan_warps"])
 
     decode_sig = {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf), "A_log": f32, "dt_bias": f32, "b_raw": bf,
                   "state": f32, "o": bf, "out_gate": bf, "norm_w": bf,
@@ -672,11 +721,12 @@ def sm90_spills() -> dict:
         "decode": stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32",
                                                       "eps": "fp32"},
                               dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False,
-                                   EARLY_O=kd.DECODE["early_o"]), num_warps=kd.DECODE["num_warps"]),
+                                   EARLY_O=kd.DECODE["early_o"]), decode_ints, num_warps=kd.DECODE["num_warps"]),
         "norm": stack_bytes(nm._rmsnorm_kernel, {**dict.fromkeys(["x", "res", "gate", "weight", "y", "res_out"], bf),
                                                  "N": "i32", "stride_x": "i32",
                                                  "eps": "fp32"},
-                            dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False, SIGNAL=True), num_warps=8),
+                            dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False, SIGNAL=True),
+                            [dict(N=n, stride_x=2304) for n in (1,) + Ts], num_warps=8),
     }
     # both kernels for fp32 inputs (tf32x3 dots, fp32 operands stored; Gate A's path on CUDA), at the default's tiles
     out["prep_fp32"], out["scan_fp32"] = chunk_prep(f32, "tf32x3", False), chunk_scan(f32, "tf32x3", False)
@@ -684,11 +734,13 @@ def sm90_spills() -> dict:
     # one program per head (BV = D), which normalises o in registers and shifts the taps without the counter
     out["decode_whole"] = max(
         stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
-                    dict(H=32, D=128, W=4, WP=4, BV=128, HAS_NORM=norm, ADJACENT=False, EARLY_O=False), num_warps=4)
+                    dict(H=32, D=128, W=4, WP=4, BV=128, HAS_NORM=norm, ADJACENT=False, EARLY_O=False), decode_ints,
+                    num_warps=4)
         for norm in (True, False))
     out["decode_adjacent"] = max(
         stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
-                    dict(H=32, D=128, W=4, WP=4, BV=bv, HAS_NORM=True, ADJACENT=True, EARLY_O=e), num_warps=nw)
+                    dict(H=32, D=128, W=4, WP=4, BV=bv, HAS_NORM=True, ADJACENT=True, EARLY_O=e), decode_ints,
+                    num_warps=nw)
         for bv, nw, e in ((8, 2, False), (16, 4, False), (32, 4, False), (32, 1, True), (32, 2, True)))
     from model.triton import moe
     I, D, K = 1024, 2304, 8
@@ -712,7 +764,8 @@ def sm90_spills() -> dict:
     out["decode_fp32"] = stack_bytes(kd._kda_decode_kernel, {**{n: (f32 if t == bf else t) for n, t in decode_sig.items()},
                                                              "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
                                      dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False,
-                                          EARLY_O=kd.DECODE["early_o"]), num_warps=kd.DECODE["num_warps"])
+                                          EARLY_O=kd.DECODE["early_o"]), decode_ints,
+                                     num_warps=kd.DECODE["num_warps"])
     out["moe_route"] = stack_bytes(moe._moe_route_kernel, {"logits_ptr": f32, "bias_ptr": f32, "idx_ptr": "*i64",
                                                           "w_ptr": f32, "scaling": "fp32"},
                                    dict(E=256, K=K, BLOCK_E=256, RENORM=True))
@@ -723,78 +776,75 @@ def sm90_spills() -> dict:
                                     num_warps=ro["num_warps"])
     from model.triton import mla_decode as ml
     H, R, P = 32, 512, 64
-    out["mla_split"] = stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": bf, "c": bf, "k_pe": bf,
-                                                                "pos_ptr": "*i64", **dict.fromkeys(
-                                                                    ["o_part", "m_part", "l_part"], f32),
-                                                                "qk_scale": "fp32", **dict.fromkeys(
-                                                                    ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l", "s_kpe_b",
-                                                                     "s_kpe_l"], "i32")},
-                                   dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL, BF16=True, MMA=True),
-                                   num_warps=ml._WARPS)
-    out["mla_split_min"] = stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": bf, "c": bf, "k_pe": bf,
-                                                                    "pos_ptr": "*i64", **dict.fromkeys(
-                                                                        ["o_part", "m_part", "l_part"], f32),
-                                                                    "qk_scale": "fp32", **dict.fromkeys(
-                                                                        ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l",
-                                                                         "s_kpe_b", "s_kpe_l"], "i32")},
-                                       dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=ml.MIN_SPLIT, BL=ml._BL, BF16=True,
-                                            MMA=True), num_warps=ml._WARPS)
     split_sig = {"q_lat": f32, "q_pe": bf, "c": bf, "k_pe": bf, "pos_ptr": "*i64",
                  **dict.fromkeys(["o_part", "m_part", "l_part"], f32), "qk_scale": "fp32",
                  **dict.fromkeys(["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l", "s_kpe_b", "s_kpe_l"], "i32")}
+    split_fp32_sig = {**split_sig, **dict.fromkeys(["q_pe", "c", "k_pe"], f32)}
+    split_consts = dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL, BF16=True, MMA=True)
+    out["mla_split"] = stack_bytes(ml._mla_decode_split_kernel, split_sig, split_consts, mla_ints, num_warps=ml._WARPS)
+    # the split kernel's cache loads: async copies into shared memory, multi-buffered, in the build the model's
+    # launch gets; not with strides that are not multiples of 16 (which the model never has): the control that
+    # shows the build depends on the launch's ints, and that this check can tell
+    out["mla_split_async"] = [
+        async_copies(ml._mla_decode_split_kernel, split_sig, split_consts, ints, num_warps=ml._WARPS)
+        for ints in (mla_ints, {name: v + 1 for name, v in mla_ints.items()})]
+    out["mla_split_min"] = stack_bytes(ml._mla_decode_split_kernel, split_sig, {**split_consts, "SPLIT": ml.MIN_SPLIT},
+                                       mla_ints, num_warps=ml._WARPS)
     hs, bls = ml.SHORT["heads"], ml.SHORT["BL"]
     # head groups (short buffers): SHORT's step at its shortest split, and _BL's where the split allows it
     for name, split, step in (("mla_split_short", 2 * bls, bls), ("mla_split_short_step64", 2 * ml._BL, ml._BL),
                               ("mla_split_short_long", 1024, ml._BL)):
         out[name] = stack_bytes(ml._mla_decode_split_kernel, split_sig,
-                                dict(H=H, R=R, P=P, HG=hs, HP=hs, RP=R, PP=P, SPLIT=split, BL=step, BF16=True,
-                                     MMA=True), num_warps=ml._WARPS)
-    out["mla_split_short_fp32"] = stack_bytes(ml._mla_decode_split_kernel, {**split_sig, **dict.fromkeys(
-                                                  ["q_pe", "c", "k_pe"], f32)},
-                                              dict(H=H, R=R, P=P, HG=hs, HP=hs, RP=R, PP=P, SPLIT=2 * bls,
-                                                   BL=ml._BL_FP32, BF16=False, MMA=True), num_warps=ml._WARPS)
-    out["mla_split_fp32"] = stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": f32, "c": f32,
-                                                                     "k_pe": f32, "pos_ptr": "*i64", **dict.fromkeys(
-                                                                         ["o_part", "m_part", "l_part"], f32),
-                                                                     "qk_scale": "fp32", **dict.fromkeys(
-                                                                         ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l",
-                                                                          "s_kpe_b", "s_kpe_l"], "i32")},
-                                        dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=1024, BL=ml._BL_FP32, BF16=False,
-                                             MMA=True), num_warps=ml._WARPS)
+                                {**split_consts, "HG": hs, "HP": hs, "SPLIT": split, "BL": step}, mla_ints,
+                                num_warps=ml._WARPS)
+    fp32_consts = {**split_consts, "BF16": False}
+    out["mla_split_short_fp32"] = stack_bytes(ml._mla_decode_split_kernel, split_fp32_sig,
+                                              {**fp32_consts, "HG": hs, "HP": hs, "SPLIT": 2 * bls,
+                                               "BL": ml._BL_FP32}, mla_ints, num_warps=ml._WARPS)
+    out["mla_split_fp32"] = stack_bytes(ml._mla_decode_split_kernel, split_fp32_sig,
+                                        {**fp32_consts, "BL": ml._BL_FP32}, mla_ints, num_warps=ml._WARPS)
     try:  # the shared-memory bound must be able to fail: the fp32 tile the H200 refused (BL=64, 377 KB)
-        stack_bytes(ml._mla_decode_split_kernel, {"q_lat": f32, "q_pe": f32, "c": f32, "k_pe": f32, "pos_ptr": "*i64",
-                                                  **dict.fromkeys(["o_part", "m_part", "l_part"], f32),
-                                                  "qk_scale": "fp32", **dict.fromkeys(
-                                                      ["s_qpe_b", "s_qpe_h", "s_c_b", "s_c_l", "s_kpe_b", "s_kpe_l"],
-                                                      "i32")},
-                    dict(H=H, R=R, P=P, HG=H, HP=H, RP=R, PP=P, SPLIT=1024, BL=64, BF16=False, MMA=True),
+        stack_bytes(ml._mla_decode_split_kernel, split_fp32_sig, {**fp32_consts, "BL": 64}, mla_ints,
                     num_warps=ml._WARPS)
         out["smem_guard"] = "missed"
     except AssertionError as e:
         out["smem_guard"] = "caught" if "shared memory" in str(e) else str(e)
     out["mla_cache_append"] = stack_bytes(ml._cache_append_kernel, {
         "kv": bf, "weight": bf, "c_cache": bf, "kpe_cache": bf, "pos_ptr": "*i64", "eps": "fp32",
-        **dict.fromkeys(["s_kv", "s_cb", "s_cl", "s_kb", "s_kl"], "i32")}, dict(R=R, P=P, RP=R, PP=P), num_warps=4)
+        **dict.fromkeys(["s_kv", "s_cb", "s_cl", "s_kb", "s_kl"], "i32")}, dict(R=R, P=P, RP=R, PP=P),
+        dict(s_kv=mla_rows, s_cb=L * 512, s_cl=512, s_kb=L * 64, s_kl=64), num_warps=4)
     out["mla_combine"] = stack_bytes(ml._mla_decode_combine_kernel, {**dict.fromkeys(["o_part", "m_part", "l_part"],
                                                                                      f32), "pos_ptr": "*i64",
                                                                      "out": f32},
                                      dict(SPLIT=1024, NS=128, H=H, R=R, NSP=128, BR=128, SB=32))
-    out["mla_absorb"] = stack_bytes(ml._absorb_kernel, {"x": f32, "w": bf, "out": f32, "B": "i32",
-                                                        **dict.fromkeys(["s_xb", "s_xh", "s_wh", "s_wk", "s_wn"],
-                                                                        "i32")},
-                                    dict(K=R, N=128, BP=16, BK=64, BN=64, BF16=True, MMA=True), num_warps=4)
+    # the two absorbed products of MLA decode, at their configs and the strides of their operands (decode at batch 1
+    # and 8): q_nope (bf16, a column slice of the packed projection) @ W_uk [H, 128, 512], a view of kv_b_proj's
+    # weight; o_lat (fp32) @ W_uv^T [H, 512, 128], a transposed view of it
+    absorb_sig = {"x": f32, "w": bf, "out": f32, "B": "i32",
+                  **dict.fromkeys(["s_xb", "s_xh", "s_wh", "s_wk", "s_wn"], "i32")}
+
+    def absorb(K, N, x, ints):
+        cfg = ml.absorb_config(K)
+        return stack_bytes(ml._absorb_kernel, {**absorb_sig, "x": x},
+                           dict(K=K, N=N, BP=16, BK=min(K, cfg["BK"]), BN=min(N, cfg["BN"]), BF16=True, MMA=True),
+                           [dict(B=b, **ints) for b in (1, 8)], num_warps=cfg["num_warps"])
+
+    out["mla_absorb"] = max(absorb(128, R, bf, dict(s_xb=mla_rows, s_xh=192, s_wh=256 * R, s_wk=R, s_wn=1)),
+                            absorb(R, 128, f32, dict(s_xb=H * R, s_xh=R, s_wh=256 * R, s_wk=1, s_wn=R)))
     from model.triton import conv, moe_combine
     out["conv"] = stack_bytes(conv._causal_conv1d_kernel, {**dict.fromkeys(["x", "taps", "w", "y"], bf), "T": "i32",
                                                           "C": "i32", "stride_xb": "i64", "stride_xt": "i64"},
                               dict(W=4, HAS_TAPS=True, BT=conv.CONFIG["BT"], BC=conv.CONFIG["BC"],
-                                   STEP=conv.CONFIG["STEP"], LIBDEVICE=True), num_warps=conv.CONFIG["num_warps"])
+                                   STEP=conv.CONFIG["STEP"], LIBDEVICE=True),
+                              [dict(T=T, C=3 * 32 * 128, stride_xb=T * kda_rows, stride_xt=kda_rows) for T in Ts],
+                              num_warps=conv.CONFIG["num_warps"])
     out["moe_combine"] = stack_bytes(moe_combine._moe_combine_kernel, {"out": bf, "slot": "*i64", "w": f32,
                                                                       "shared": bf, "y": bf, "D": "i32"},
-                                     dict(K=K, HAS_SHARED=True, BD=512), num_warps=4)
+                                     dict(K=K, HAS_SHARED=True, BD=512), dict(D=2304), num_warps=4)
     from model.triton import moe_dispatch
     out["moe_dispatch"] = stack_bytes(moe_dispatch._moe_dispatch_kernel, {"x": bf, "order": "*i64", "y": bf, "M": "i32"},
                                       dict(K=K, D=2304, BR=moe_dispatch.DISPATCH["BR"], BD=moe_dispatch.DISPATCH["BD"]),
-                                      num_warps=moe_dispatch.DISPATCH["num_warps"])
+                                      [dict(M=T * K) for T in (8192, 1001)], num_warps=moe_dispatch.DISPATCH["num_warps"])
     from model.triton import moe_grouped as mg
     gc = mg.CONFIG
 
@@ -817,21 +867,27 @@ def sm90_spills() -> dict:
     sig, consts = with_descs({"x": bf, "order": "*i64", "w": bf, "h": bf, **dict.fromkeys(
         ["tile_e", "tile_r0", "offs"], "*i32"), "n_tiles": "i32"}, dict(K=K, D=2304, I=1024, **tiles("gate_up")),
         {"w_desc": desc("gate_up", "BN")})
-    out["moe_grouped_gate_up"] = stack_bytes(mg._gate_up_silu_kernel, sig, consts,
+    n_tiles = [dict(n_tiles=n) for n in (512, 77)]
+    out["moe_grouped_gate_up"] = stack_bytes(mg._gate_up_silu_kernel, sig, consts, n_tiles,
                                              num_warps=gc["gate_up"]["num_warps"],
                                              num_stages=gc["gate_up"]["num_stages"])
     sig, consts = with_descs({"h": bf, "w": bf, "out": bf, **dict.fromkeys(["tile_e", "tile_r0", "offs"], "*i32"),
                               "n_tiles": "i32"}, dict(D=2304, I=1024, **tiles("down")),
                              {"h_desc": desc("down", "BM"), "w_desc": desc("down", "BN")})
-    out["moe_grouped_down"] = stack_bytes(mg._down_kernel, sig, consts, num_warps=gc["down"]["num_warps"],
+    out["moe_grouped_down"] = stack_bytes(mg._down_kernel, sig, consts, n_tiles, num_warps=gc["down"]["num_warps"],
                                           num_stages=gc["down"]["num_stages"])
     from model.triton import act
     out["silu_mul"] = stack_bytes(act._silu_mul_kernel, {**dict.fromkeys("guh", bf), "N": "i32", "I": "i32",
                                                          "stride_g": "i32", "stride_u": "i32"},
-                                  dict(ROWS=act._BLOCK // 1024, BI=1024, LIBDEVICE=True), num_warps=4)
+                                  dict(ROWS=act._BLOCK // 1024, BI=1024, LIBDEVICE=True),
+                                  # MLP's separate gate and up (the shared expert's, 1024 wide; layer 0's, 9216), and
+                                  # the routed experts' halves of one gate|up output (prefill without the grouped kernel)
+                                  [dict(N=n, I=i, stride_g=i, stride_u=i) for n in (1,) + Ts for i in (1024, 9216)]
+                                  + [dict(N=T, I=1024, stride_g=2048, stride_u=2048) for T in Ts], num_warps=4)
     out["kda_gate"] = stack_bytes(act._kda_gate_kernel, {"f": bf, "A_log": f32, "dt_bias": f32, "g": f32, "N": "i32",
                                                          "C": "i32", "stride_f": "i32"},
-                                  dict(D=128, ROWS=act._BLOCK // 1024, BC=1024), num_warps=4)
+                                  dict(D=128, ROWS=act._BLOCK // 1024, BC=1024),
+                                  [dict(N=T, C=32 * 128, stride_f=32 * 128) for T in Ts], num_warps=4)
     out["control"] = stack_bytes(_segment_sums_kernel(broken=False), {"x": "*i32"}, dict(BT=4))
     try:
         out["broken"] = stack_bytes(_segment_sums_kernel(broken=True), {"x": "*i32"}, dict(BT=4))
@@ -859,6 +915,7 @@ def test_kernels_compile_for_the_h200():
     assert "moe_gate_up_fp32_bf16" in spills and "moe_down_fp32_bf16" in spills and "decode_fp32" in spills, spills
     assert spills["mla_split"] == 0 and spills["mla_combine"] == 0 and spills["mla_absorb"] == 0, spills
     assert spills["mla_split_fp32"] == 0 and spills["mla_split_min"] == 0, spills
+    assert spills["mla_split_async"] == [True, False], f"async copies (launched, odd strides): {spills['mla_split_async']}"
     assert spills["mla_split_short"] == spills["mla_split_short_step64"] == spills["mla_split_short_long"] == 0, spills
     assert spills["mla_split_short_fp32"] == 0 and spills["mla_cache_append"] == 0, spills
     # measured trade-offs, see model/triton/kda_chunk.py: the 4-warp prep spills and is still the fastest
@@ -871,6 +928,22 @@ def test_kernels_compile_for_the_h200():
     assert spills["conv"] == 0 and spills["moe_combine"] == 0 and spills["moe_dispatch"] == 0, spills
     assert spills["moe_grouped_gate_up"] == 0 and spills["moe_grouped_down"] == 0, spills
     assert spills["silu_mul"] == 0 and spills["kda_gate"] == 0, spills
+
+
+def test_offline_builds_specialise_ints_as_the_launcher_does():
+    """`launched`: an int of 1 becomes a constant, a multiple of 16 is compiled as one, any other stays a plain
+    int; an int argument without a value is refused (a build that guesses is not the one that runs)."""
+    @triton.jit
+    def three_ints(x, n, m, k):
+        tl.store(x, n + m + k)
+
+    sig = {"x": "*i32", "n": "i32", "m": "i32", "k": "i64"}
+    s, c, attrs = launched(three_ints, sig, {}, dict(n=1, m=4096, k=4097))
+    assert c == {"n": 1} and s == {"x": "*i32", "n": "constexpr", "m": "i32", "k": "i32"}
+    assert set(attrs) == {(0,), (2,)}          # x (a pointer) and m (a multiple of 16)
+    assert launched(three_ints, sig, {}, dict(n=2, m=2 ** 40, k=3))[0]["m"] == "i64"
+    with pytest.raises(ValueError, match="values needed"):
+        launched(three_ints, sig, {}, dict(n=1, m=16))
 
 
 # ---- real shapes on the GPU ---------------------------------------------------------------------

@@ -25,16 +25,19 @@ import triton.language as tl
 import model.triton as mt
 from model.triton.norms import _rms_normalize
 
-# The split kernel's tile and launch. sm_90 compile at 32 heads x 512 (tests/test_triton_kda.py sm90_spills):
-# BL=64 with 8 warps fits in 231 registers without spills (32 with 8 warps spills 8 bytes, 4 warps spill);
-# the [32, 512] fp32 accumulator alone is 64 registers/thread. Triton 3.6 does not multi-buffer this loop.
+# The split kernel's tile and launch. sm_90 build at 32 heads x 512, specialised as the model's launch is (its
+# strides multiples of 16; tests/test_triton_kda.py sm90_spills): BL=64 with 8 warps takes 205 registers and no
+# spills, and Triton's pipeliner turns the cache loads into async copies, three stages deep (224 KB of shared
+# memory); BL=32 takes 210 registers, no spills; 4 warps spill 512 bytes. The [32, 512] fp32 accumulator alone is
+# 64 registers a thread. (Built without the launch's int specialisation, as this note first was, the loads stay
+# synchronous and the counts differ: 229 registers at BL=64.)
 _BL = 64  # cache positions per loop step
 _WARPS = 8
 # The layout for short buffers: `heads` heads a program and loop steps of `BL` positions (splits of down to
 # 2 * BL), taken when the buffer's splits of the standard layout at its shortest (MIN_SPLIT), with the heads
-# grouped, still fit on the SMs at once. sm_90, 16 heads x 512: 161 registers at BL=32 (8 warps), no spills;
-# BL=64: 205 (8 warps; 4 warps spill). At 1k positions: 34 programs (17 splits of 64, 2 head groups) against
-# 8. None: the standard layout at every length.
+# grouped, still fit on the SMs at once. sm_90 launched builds, 16 heads x 512: 156 registers at BL=32 (8 warps),
+# no spills; BL=64: 158 to 166 by split (8 warps; 4 warps spill 8 bytes). At 1k positions: 34 programs (17 splits
+# of 64, 2 head groups) against 8. None: the standard layout at every length.
 # Where the split is two or more of _BL, the loop takes steps of _BL even in head groups: fewer, longer steps.
 # Graph-timed per layer on the H200 (16 heads a program, `bench_kernels --ops mla_decode_layout`): at 1056
 # positions splits of 64 in steps of 32 take 11.8 us `0f2d6f68` (of 128 in steps of 64: 12.8 us `8607c857`); at
@@ -149,10 +152,10 @@ def _pad(n: int) -> int:
 
 
 # At least two loop steps per split. With SPLIT == BL the loop is gone and ptxas builds a 32-register variant
-# that spills ~6 KB a thread (cuobjdump of the sm_90 build: 3,528 LDL, 2,647 STL); that variant took 129 us a
-# call inside the CUDA graph at 1k context (decomposition record b37af712), a quarter of the decode step.
-# Every SPLIT from 2*BL up compiles to the same spill-free 229-register kernel (tests/test_triton_kda.py); the
-# same holds for the head groups of SHORT at their BL (16 heads, SPLIT=BL=64: 3.9 KB of spills).
+# that spills ~9 KB a thread (the launched sm_90 build: 8,912 bytes of stack, 3,245 LDL, 2,415 STL); that variant
+# took 129 us a call inside the CUDA graph at 1k context (decomposition record b37af712), a quarter of the decode
+# step. Every SPLIT from 2*BL up builds without spills (198 to 205 registers; tests/test_triton_kda.py); the same
+# holds for the head groups of SHORT at their BL (16 heads, SPLIT=BL=64: 4.6 KB of spills).
 MIN_SPLIT = 2 * _BL
 
 
