@@ -54,7 +54,9 @@ defaults in model/triton/moe.py (GATE_UP, DOWN, ROUTER) from it.
 layout (peer "all-heads": `default_split`, 32 heads a program), for each SHORT of MLA_SHORTS, `graph_ms` over
 MLA_LAYERS layers' calls (each its own cache), batch 1, a buffer of T positions (--mla-T), the query at T-1;
 ours is checked against the peer's output in the same run. `--ops mla_absorb`: `mla_absorb_sweep`, the tile
-configs of the absorbed up-projections against the default, graph-timed per layer. `--ops moe_prefill_rows`:
+configs of the absorbed up-projections against the default, graph-timed per layer. `--ops mla_decode_rows`:
+`mla_rows_case`, the positions-as-rows split kernel against the heads-as-rows one (model.triton.mla_decode's
+CONFIG), graph-timed per layer at each --mla-T where the layout's loop step lets both run. `--ops moe_prefill_rows`:
 `moe_rows_case`, the prefill MoE's expert GEMMs at the router's rows per expert against the same rows balanced.
 """
 from __future__ import annotations
@@ -481,6 +483,53 @@ def mla_layout_case(T: int, device: str = "cuda") -> list[dict]:
             f"ours={_ms(results.get('ours_ms'))} all-heads(split={split})={_ms(results.get('peer_ms'))} "
             f"(graph, per layer)  {rec['verdict']} {reasons}")
     return recs
+
+
+def mla_rows_case(T: int, device: str = "cuda") -> dict | None:
+    """mla_decode with CONFIG's rows = "positions" (ours) against "heads" (peer "heads-rows", the default), both in
+    default_layout, graph-timed over MLA_LAYERS layers' calls (each its own cache), batch 1, a buffer of T
+    positions, the query at T-1; checked against each other and the fp32 torch reference. None where the layout's
+    loop step is not _BL (SHORT's steps of 32 at short buffers), so that both would run the same kernel."""
+    from model import ops
+    from model.triton import mla_decode as ml
+    dev = torch.device(device)
+    layout = ml.plan(T, 1, MLA_H, DTYPE, dev, cfg=dict(rows="positions"))
+    if layout.rows != "positions":
+        log(f"  mla_decode_rows T={T}: layout {layout} runs the heads-as-rows kernel either way; not timed")
+        return None
+    g = torch.Generator(device=device).manual_seed(T)
+    q_lat = 3 * torch.randn(1, MLA_H, MLA_R, generator=g, device=device)
+    q_pe = (3 * torch.randn(1, MLA_H, MLA_P, generator=g, device=device)).to(DTYPE)
+    caches = [(torch.randn(1, T, MLA_R, generator=g, device=device).to(DTYPE),
+               torch.randn(1, T, MLA_P, generator=g, device=device).to(DTYPE)) for _ in range(MLA_LAYERS)]
+    pos, scale = torch.tensor(T - 1, device=device), 192 ** -0.5
+    params = {"op": "mla_decode_rows", "B": 1, "T": T, "H": MLA_H, "d": MLA_R + MLA_P, "dtype": "bfloat16",
+              "split": layout.split, "heads": layout.heads, "step": layout.step}
+    results, reasons = {"peer": "heads-rows", "timing": graph_timing(MLA_LAYERS)}, []
+    ours, theirs = dict(rows="positions"), dict(rows="heads")
+    try:
+        c, k_pe = caches[0]
+        o = ml.mla_decode(q_lat, q_pe, c, k_pe, pos, scale, cfg=ours)
+        o_peer = ml.mla_decode(q_lat, q_pe, c, k_pe, pos, scale, cfg=theirs)
+        results["ours_ms"] = graph_ms([lambda L=L: ml.mla_decode(q_lat, q_pe, L[0], L[1], pos, scale, cfg=ours)
+                                       for L in caches])
+        results["peer_ms"] = graph_ms([lambda L=L: ml.mla_decode(q_lat, q_pe, L[0], L[1], pos, scale, cfg=theirs)
+                                       for L in caches])
+        # the cache bytes a call reads, over its time: against the HBM bandwidth the e2e benchmark measures
+        results["gbps"] = T * (MLA_R + MLA_P) * c.element_size() / results["ours_ms"] / 1e6
+        results["peer_gbps"] = T * (MLA_R + MLA_P) * c.element_size() / results["peer_ms"] / 1e6
+        results["rel_err_vs_fp32_ref"] = rel_err(o, ops.mla_decode_attention_torch(q_lat, q_pe, c, k_pe, pos, scale))
+        versus(results, reasons, o, o_peer, 1e-4)
+        if not results["rel_err_vs_fp32_ref"] <= 1e-4:
+            reasons.append(f"ours differs from the fp32 torch reference: {results['rel_err_vs_fp32_ref']:.3g}")
+    except Exception as e:  # record the failure
+        traceback.print_exc()
+        reasons.append(f"mla_decode_rows failed: {type(e).__name__}: {e}")
+    rec = kernel_record(params, results, reasons, device)
+    log(f"  mla_decode_rows T={T:<6d} split={layout.split} heads={layout.heads}: positions={_ms(results.get('ours_ms'))}"
+        f" ({results.get('gbps', 0):.0f} GB/s) heads={_ms(results.get('peer_ms'))} (graph, per layer)  "
+        f"{rec['verdict']} {reasons}")
+    return rec
 
 
 MOE_TILE_ROWS = 128  # the rows of torch's grouped-GEMM tiles on sm_90 when a problem has more than 128 rows a group
@@ -1107,7 +1156,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine",
                     help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, mla_decode_layout, "
-                         "mla_absorb, moe_prefill_rows, " + ", ".join(TORCH_PEER_CASES))
+                         "mla_decode_rows, mla_absorb, moe_prefill_rows, " + ", ".join(TORCH_PEER_CASES))
     ap.add_argument("--chunk-T", type=ints, default=(1024, 8192, 32768))
     ap.add_argument("--decode-B", type=ints, default=(1, 8, 64))
     ap.add_argument("--mla-T", type=ints, default=(1024, 32768, 131072), help="mla_decode contexts (batch 1)")
@@ -1126,8 +1175,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
-    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "mla_decode_layout", "mla_absorb",
-                          "moe_prefill_rows", *TORCH_PEER_CASES}
+    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "mla_decode_layout",
+                          "mla_decode_rows", "mla_absorb", "moe_prefill_rows", *TORCH_PEER_CASES}
     if unknown:
         raise SystemExit(f"unknown --ops {sorted(unknown)}")
     if not torch.cuda.is_available():
@@ -1157,6 +1206,9 @@ def main(argv=None) -> None:
     if "mla_decode_layout" in ops:
         for T in args.mla_T:
             mla_layout_case(T)
+    if "mla_decode_rows" in ops:
+        for T in args.mla_T:
+            mla_rows_case(T)
     if "moe_prefill_rows" in ops:
         for T in args.prefill_T:
             moe_rows_case(T, args.rep_ms)

@@ -477,6 +477,24 @@ def test_mla_layout_bench_plumbing(records_dir, monkeypatch):
     assert len(load(kinds="kernel", root=records_dir).records) == 2
 
 
+def test_mla_rows_bench_plumbing(records_dir, monkeypatch):
+    """`--ops mla_decode_rows` on the CPU through the interpreter, small shapes, a fake clock: the positions-as-rows
+    kernel against the heads-as-rows one, recorded VALID with both outputs checked; nothing timed where the layout's
+    loop step (SHORT's 32) runs the heads-as-rows kernel either way."""
+    from benchmarks import bench_kernels as bk
+    from model.triton import mla_decode as ml
+    for name, value in (("MLA_H", 4), ("MLA_R", 32), ("MLA_P", 16), ("MLA_LAYERS", 2)):
+        monkeypatch.setattr(bk, name, value)
+    monkeypatch.setattr(bk, "graph_ms", lambda calls: ([c() for c in calls], 0.01)[1])
+    rec = bk.mla_rows_case(300, device="cpu")
+    assert rec["verdict"] == "VALID", rec["reasons"]
+    assert (rec["params"]["op"], rec["params"]["split"], rec["params"]["step"]) == ("mla_decode_rows", 128, 64)
+    assert 0 < rec["results"]["rel_err_vs_peer"] < 1e-5 and rec["results"]["peer"] == "heads-rows"
+    monkeypatch.setattr(ml, "SHORT", dict(heads=2, BL=32))
+    assert bk.mla_rows_case(200, device="cpu") is None
+    assert len(load(kinds="kernel", root=records_dir).records) == 1
+
+
 def test_mla_absorb_sweep_plumbing(records_dir, monkeypatch):
     """`--ops mla_absorb` on the CPU through the interpreter, small shapes, a fake clock: a record per (shape,
     config), each checked against the default config's output; a failing config is recorded INVALID."""

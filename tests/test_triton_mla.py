@@ -16,7 +16,7 @@ from hypothesis import assume, given, strategies as st  # noqa: E402
 
 import model.triton as mt  # noqa: E402
 from model import ops  # noqa: E402
-from model.triton.mla_decode import _BL, SHORT, mla_absorb, mla_decode  # noqa: E402
+from model.triton.mla_decode import _BL, ROWS, SHORT, mla_absorb, mla_decode  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,13 +58,14 @@ def check(o, ref, tol, what):
 
 @given(B=st.sampled_from([1, 2]), H=st.sampled_from([2, 4]), R=st.sampled_from([32, 64]), L=st.integers(1, 300),
        split=st.sampled_from([2 * _BL, 3 * _BL]), where=st.sampled_from(["0", "boundary-1", "boundary", "last"]),
-       dtype=st.sampled_from(["fp32", "bf16"]), seed=st.integers(0, 999))
-def test_decode_matches_fp64(B, H, R, L, split, where, dtype, seed):
+       dtype=st.sampled_from(["fp32", "bf16"]), seed=st.integers(0, 999), rows=st.sampled_from(ROWS))
+def test_decode_matches_fp64(B, H, R, L, split, where, dtype, seed, rows):
+    """Either split kernel (`rows`; an fp32 cache takes the heads-as-rows one whatever `rows` says)."""
     P, scale = 16, 0.17
     pos = {"0": 0, "boundary-1": split - 1, "boundary": split, "last": L - 1}[where]
     pos = torch.tensor(min(pos, L - 1), device=DEV)
     q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], seed, sharp=2.0)
-    o = mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split=split)
+    o = mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split=split, cfg=dict(rows=rows))
     assert o.shape == (B, H, R) and o.dtype == torch.float32
     check(o, fp64_reference(q_lat, q_pe, c, k_pe, pos, scale), TOL[DTYPES[dtype]], f"pos={int(pos)}")
 
@@ -72,38 +73,54 @@ def test_decode_matches_fp64(B, H, R, L, split, where, dtype, seed):
 @given(B=st.sampled_from([1, 2]), H=st.sampled_from([2, 4, 6]), heads=st.sampled_from([1, 2, 4]),
        R=st.sampled_from([32, 64]), L=st.integers(1, 300), split=st.sampled_from([2 * SHORT_BL, 3 * SHORT_BL, 2 * _BL]),
        where=st.sampled_from(["0", "boundary-1", "boundary", "last"]), dtype=st.sampled_from(["fp32", "bf16"]),
-       seed=st.integers(0, 999))
-def test_head_groups_match_fp64(B, H, heads, R, L, split, where, dtype, seed):
+       seed=st.integers(0, 999), rows=st.sampled_from(ROWS))
+def test_head_groups_match_fp64(B, H, heads, R, L, split, where, dtype, seed, rows):
     """The short-buffer layout: heads in groups of `heads` (the last one partly masked at H=6, heads=4),
-    splits of SHORT's step."""
+    splits of SHORT's step (the positions-as-rows kernel where the step is _BL)."""
     assume(heads < H)
     P, scale = 16, 0.17
     pos = {"0": 0, "boundary-1": split - 1, "boundary": split, "last": L - 1}[where]
     pos = torch.tensor(min(pos, L - 1), device=DEV)
     q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], seed, sharp=2.0)
-    o = mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split=split, heads=heads)
+    o = mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split=split, heads=heads, cfg=dict(rows=rows))
     assert o.shape == (B, H, R) and o.dtype == torch.float32
     check(o, fp64_reference(q_lat, q_pe, c, k_pe, pos, scale), TOL[DTYPES[dtype]], f"pos={int(pos)}")
 
 
-@pytest.mark.parametrize("layout", [(2 * _BL, None), (2 * SHORT_BL, 2)], ids=["all-heads", "head-groups"])
+@pytest.mark.parametrize("layout", [(2 * _BL, None, "heads"), (2 * _BL, None, "positions"), (2 * SHORT_BL, 2, "heads")],
+                         ids=["all-heads", "all-heads-positions-rows", "head-groups"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("pos", [0, _BL - 1, 2 * _BL, 3 * _BL + 5])
 def test_positions_past_pos_are_not_read(pos, dtype, layout):
     """Huge and NaN values past pos leave the output bit for bit unchanged: they are never loaded."""
     B, H, R, P, L = 2, 4, 32, 16, 5 * _BL
-    split, heads = layout
+    split, heads, rows = layout
+    cfg = dict(rows=rows)
     q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], pos)
     p = torch.tensor(pos, device=DEV)
-    clean = mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=split, heads=heads)
+    clean = mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=split, heads=heads, cfg=cfg)
     for fill in (float("nan"), 3e38):
         c2, k2 = c.clone(), k_pe.clone()
         c2[:, pos + 1:], k2[:, pos + 1:] = fill, fill
-        dirty = mla_decode(q_lat, q_pe, c2, k2, p, 0.2, split=split, heads=heads)
+        dirty = mla_decode(q_lat, q_pe, c2, k2, p, 0.2, split=split, heads=heads, cfg=cfg)
         assert torch.isfinite(dirty).all() and torch.equal(dirty, clean), fill
     # and the cache up to pos is read: changing position pos changes the result
     c[:, pos] += 1
-    assert not torch.equal(mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=split, heads=heads), clean)
+    assert not torch.equal(mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=split, heads=heads, cfg=cfg), clean)
+
+
+def test_split_kernels_agree_and_rows_is_checked():
+    """The two split kernels on one bf16 input: the same value within the products' rounding (their fp32 sums run
+    in other orders), not the same bits; an unknown `rows` or cfg key is an error, not a silent default."""
+    B, H, R, P, L = 1, 4, 64, 16, 3 * _BL
+    q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, torch.bfloat16, 7, sharp=2.0)
+    p = torch.tensor(L - 1, device=DEV)
+    a, b = (mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=2 * _BL, cfg=dict(rows=r)) for r in ROWS)
+    assert rel_err(a, b) <= 2e-6 and not torch.equal(a, b)
+    with pytest.raises(ValueError, match="rows must be one of"):
+        mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, cfg=dict(rows="columns"))
+    with pytest.raises(ValueError, match="unknown cfg keys"):
+        mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, cfg=dict(kernel="positions"))
 
 
 def test_default_layout_groups_heads_only_for_short_buffers(monkeypatch):
@@ -217,34 +234,37 @@ def test_gpu_cache_append_real_shapes(B):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B,L", [(1, 1056), (1, 4096), (1, 131072), (4, 4096), (8, 32768)])
 @pytest.mark.parametrize("where", ["first", "small", "boundary", "last"])
-def test_gpu_decode_real_shapes(B, L, where, dtype):
+@pytest.mark.parametrize("rows", ROWS)
+def test_gpu_decode_real_shapes(B, L, where, dtype, rows):
     from model.triton.mla_decode import default_layout
     H, R, P, scale = 32, 512, 64, 192 ** -0.5
     split = default_layout(L, B, H, torch.device("cuda"))[0]
     pos = {"first": 0, "small": 37, "boundary": split, "last": L - 1}[where]
     q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], L + B, sharp=3.0)
     p = torch.tensor(pos, device="cuda")
-    o = mla_decode(q_lat, q_pe, c, k_pe, p, scale)
+    o = mla_decode(q_lat, q_pe, c, k_pe, p, scale, cfg=dict(rows=rows))
     check(o, fp64_reference(q_lat, q_pe, c, k_pe, p, scale), 4e-5, f"B={B} L={L} pos={pos}")
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("L", [1056, 8192, 65536])  # head groups (SHORT) at the first two, on the H200
-def test_gpu_decode_under_cuda_graph(L):
+@pytest.mark.parametrize("rows", ROWS)
+def test_gpu_decode_under_cuda_graph(L, rows):
     """One capture, replayed at several positions (pos updated in place), matches eager calls."""
     H, R, P = 32, 512, 64
+    cfg = dict(rows=rows)
     q_lat, q_pe, c, k_pe = decode_inputs(1, H, R, P, L, torch.bfloat16, 3, device="cuda")
     pos = torch.tensor(0, device="cuda")
-    mla_decode(q_lat, q_pe, c, k_pe, pos, 0.07)     # compile outside the capture
+    mla_decode(q_lat, q_pe, c, k_pe, pos, 0.07, cfg=cfg)     # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = mla_decode(q_lat, q_pe, c, k_pe, pos, 0.07)
+        out = mla_decode(q_lat, q_pe, c, k_pe, pos, 0.07, cfg=cfg)
     for p in (5, L // 2, L - 1):
         pos.fill_(p)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, mla_decode(q_lat, q_pe, c, k_pe, pos, 0.07)), p
+        assert torch.equal(out, mla_decode(q_lat, q_pe, c, k_pe, pos, 0.07, cfg=cfg)), p
 
 
 @pytest.mark.gpu

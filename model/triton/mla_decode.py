@@ -10,6 +10,9 @@ programs whose split starts past pos return at once and nothing past pos is load
 Short buffers, which that layout would spread over only a few SMs (at 1k positions ~8 programs), are cut
 finer (`SHORT`): the heads into groups, one program per (head group, sequence, split), and the positions
 into shorter splits of smaller tiles; the workspace layout, and so the combine, stay the same.
+Two split kernels compute the same thing (`CONFIG["rows"]`, see `plan`): `_mla_decode_split_kernel`, the heads as
+the products' rows, and `_mla_decode_positions_kernel`, the cache positions as the rows, which makes them
+warpgroup MMAs on sm_90 (bf16 caches at steps of 64 positions).
 
 Precision: the cache is bf16 (or fp32), q_lat and p are fp32. tl.dot of bf16 operands multiplies exactly (a
 product of two bf16 is exact in fp32) and accumulates in fp32, so the fp32 operand is split into a bf16 head
@@ -17,6 +20,8 @@ and a bf16 tail (x = hi + lo + O(2^-17 |x|)) and dotted twice: fp32-accurate sco
 bf16 MMA cost, far cheaper than fp32 (IEEE) dots, which run on the FMA units. An fp32 cache takes IEEE dots.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -120,6 +125,92 @@ def _mla_decode_split_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_pa
 
 
 @triton.jit
+def _dot_bf16(a, b, acc, MMA: tl.constexpr):
+    """acc + a @ b of bf16 tiles (exact products, fp32 sums); MMA=False (the interpreter, whose bf16 tl.dot is wrong
+    in Triton 3.6) dots the same values as fp32 in IEEE."""
+    if MMA:
+        return tl.dot(a, b, acc)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def _hi_lo_columns(x):
+    """[K, N] fp32 -> [K, 2N] bf16: column 2j is x[:, j]'s bf16 head, column 2j+1 its bf16 tail (x = hi + lo +
+    O(2^-17 |x|)), so that one product gives both halves of an fp32-accurate one (`_sum_column_pairs`)."""
+    hi = x.to(tl.bfloat16)
+    lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    return tl.reshape(tl.join(hi, lo), (x.shape[0], 2 * x.shape[1]))
+
+
+@triton.jit
+def _sum_column_pairs(x):
+    """[M, 2N] -> [M, N]: column j the sum of columns 2j and 2j+1."""
+    a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+    return a + b
+
+
+@triton.jit
+def _mla_decode_positions_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_part, qk_scale,
+                                  s_qpe_b, s_qpe_h, s_c_b, s_c_l, s_kpe_b, s_kpe_l,
+                                  H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, HG: tl.constexpr,
+                                  HP: tl.constexpr, RP: tl.constexpr, PP: tl.constexpr, SPLIT: tl.constexpr,
+                                  BL: tl.constexpr, MMA: tl.constexpr):
+    """`_mla_decode_split_kernel` for a bf16 cache, with the cache positions as the products' rows:
+
+        s^T [BL, HP]  = pairs(c [BL, R] @ hilo(q_lat^T) [R, 2HP] + k_pe [BL, P] @ hilo(q_pe^T) [P, 2HP])
+        acc^T [R, HP] = alpha acc^T + c^T @ hi(p^T) + c^T @ lo(p^T)
+
+    the same fp32-accurate products (each fp32 operand as its bf16 head and tail, `_hi_lo_columns`), online
+    softmax down the positions. Why: on sm_90 a product with at least 64 rows is a warpgroup MMA (wgmma), which
+    reads both operands from shared memory; with the heads as rows (32) the other kernel's products are mma.sync,
+    whose operands every warp loads into registers from shared memory for every tile, the loop-invariant q's head
+    and tail included. Same workspace as the other kernel, same combine."""
+    i_g, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NS = tl.num_programs(2)
+    pos = tl.load(pos_ptr).to(tl.int32)
+    start = i_s * SPLIT
+    if start > pos:
+        return  # past the current position: nothing to read; the combine skips this split
+    end = tl.minimum(start + SPLIT, pos + 1)
+    if HG >= H:
+        h = tl.arange(0, HP)
+    else:
+        h = i_g * HG + tl.arange(0, HP)
+    r, p = tl.arange(0, RP), tl.arange(0, PP)
+    m_h, m_r, m_p = (tl.arange(0, HP) < HG) & (h < H), r < R, p < P
+    q2 = _hi_lo_columns(tl.load(q_lat + (i_b * H + h[None, :]) * R + r[:, None], mask=m_r[:, None] & m_h[None, :],
+                                other=0.))
+    qp2 = _hi_lo_columns(tl.load(q_pe + i_b * s_qpe_b + h[None, :] * s_qpe_h + p[:, None],
+                                 mask=m_p[:, None] & m_h[None, :], other=0.).to(tl.float32))
+    c_b = c + i_b.to(tl.int64) * s_c_b      # the sequence's rows; a row's offset fits 32 bits
+    kpe_b = k_pe + i_b.to(tl.int64) * s_kpe_b
+    m_i = tl.full([HP], float("-inf"), tl.float32)
+    l_i = tl.zeros([HP], tl.float32)
+    acc = tl.zeros([RP, HP], tl.float32)
+    for l0 in range(0, SPLIT, BL):   # a constant trip count, as in the other kernel
+        offs = start + l0 + tl.arange(0, BL)
+        valid = offs < end
+        cb = tl.load(c_b + offs[:, None] * s_c_l + r[None, :], mask=valid[:, None] & m_r[None, :], other=0.)
+        kb = tl.load(kpe_b + offs[:, None] * s_kpe_l + p[None, :], mask=valid[:, None] & m_p[None, :], other=0.)
+        s = _dot_bf16(kb, qp2, _dot_bf16(cb, q2, tl.zeros([BL, 2 * HP], tl.float32), MMA), MMA)
+        s = tl.where(valid[:, None], _sum_column_pairs(s) * qk_scale, float("-inf"))      # log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(pr, 0)
+        p_hi = pr.to(tl.bfloat16)
+        ct = tl.trans(cb)
+        acc = _dot_bf16(ct, (pr - p_hi.to(tl.float32)).to(tl.bfloat16), _dot_bf16(ct, p_hi, acc * alpha[None, :], MMA),
+                        MMA)
+        m_i = m_new
+    row = i_b * NS + i_s
+    tl.store(o_part + (row * H + h[None, :]) * R + r[:, None], acc, mask=m_r[:, None] & m_h[None, :])
+    tl.store(m_part + row * H + h, m_i, mask=m_h)
+    tl.store(l_part + row * H + h, l_i, mask=m_h)
+
+
+@triton.jit
 def _mla_decode_combine_kernel(o_part, m_part, l_part, pos_ptr, out, SPLIT: tl.constexpr, NS: tl.constexpr,
                                H: tl.constexpr, R: tl.constexpr, NSP: tl.constexpr, BR: tl.constexpr,
                                SB: tl.constexpr):
@@ -183,12 +274,53 @@ def default_layout(L: int, B: int, H: int, device: torch.device) -> tuple[int, i
     return default_split(L, B, device), H
 
 
-def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads: int | None = None):
+# Which split kernel a bf16 cache takes where the loop step is _BL positions: "heads" (`_mla_decode_split_kernel`,
+# the heads the products' rows) or "positions" (`_mla_decode_positions_kernel`, the cache positions the rows: warpgroup
+# MMAs on sm_90). Everything else (an fp32 cache, SHORT's steps of 32) takes "heads". The launched sm_90 build of
+# "positions" at 32 heads (8 warps, two stages; three need 303 KB of shared memory): 217 registers, no spills,
+# 229,376 bytes of shared memory, its cache loads async copies; per 64 positions its products read an estimated
+# 360 KB of shared memory against ~795 KB of the other's ldmatrix loads (offline counts, not measured). Not timed
+# on the H200 yet: "heads" stays the default until `bench_kernels --ops mla_decode_rows` has measured both.
+CONFIG = dict(rows="heads")
+ROWS = ("heads", "positions")
+_POSITIONS_STAGES = 2
+
+
+class Plan(NamedTuple):
+    split: int   # positions per program
+    heads: int   # heads per program
+    step: int    # positions per loop step
+    rows: str    # the split kernel that runs: one of ROWS
+
+
+def plan(L: int, B: int, H: int, dtype: torch.dtype, device: torch.device, split: int | None = None,
+         heads: int | None = None, cfg: dict | None = None) -> Plan:
+    """How `mla_decode` runs over a buffer of L positions (its arguments' meaning there)."""
+    if split is None:
+        if heads is not None:
+            raise ValueError("mla_decode: heads per program needs its split")
+        split, heads = default_layout(L, B, H, device)
+    heads = H if heads is None else min(heads, H)
+    unit = SHORT["BL"] if heads < H and SHORT is not None else _BL   # positions per loop step (bf16)
+    if heads < 1 or split % unit or split < 2 * unit:
+        raise ValueError(f"mla_decode: split must be a multiple of {unit} and >= {2 * unit} at {heads} heads a "
+                         f"program, got {split}")
+    step = _BL if split % _BL == 0 and split >= 2 * _BL else unit
+    rows = mt.launch_config("mla_decode", CONFIG, cfg)["rows"]
+    if rows not in ROWS:
+        raise ValueError(f"mla_decode: rows must be one of {ROWS}, got {rows!r}")
+    if not (dtype == torch.bfloat16 and step == _BL):
+        rows = "heads"
+    return Plan(split, heads, step, rows)
+
+
+def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads: int | None = None,
+               cfg: dict | None = None):
     """Latent attention output [B,H,R] fp32 of q_lat [B,H,R] fp32 and q_pe [B,H,P] over c [B,L,R] and
     k_pe [B,L,P] (bf16 or fp32, one dtype), positions 0..pos (a device scalar). `split` = positions per
     program and `heads` = heads per program (both by default `default_layout`; a split alone takes all heads):
     all heads take splits that are multiples of 64, at least MIN_SPLIT; fewer (SHORT's layout), multiples of
-    SHORT's BL, at least two of them."""
+    SHORT's BL, at least two of them. `cfg` overrides CONFIG's keys (`rows`: which split kernel)."""
     B, H, R = q_lat.shape
     L, P = c.shape[1], k_pe.shape[-1]
     if c.dtype not in (torch.bfloat16, torch.float32) or k_pe.dtype != c.dtype:
@@ -196,28 +328,24 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads
     assert q_lat.dtype == torch.float32 and q_lat.is_contiguous()
     assert c.stride(-1) == 1 and k_pe.stride(-1) == 1 and q_pe.stride(-1) == 1
     mt.require_runnable(_mla_decode_split_kernel, c.device)
-    if split is None:
-        if heads is not None:
-            raise ValueError("mla_decode: heads per program needs its split")
-        split, heads = default_layout(L, B, H, c.device)
-    heads = H if heads is None else min(heads, H)
-    unit = SHORT["BL"] if heads < H and SHORT is not None else _BL   # positions per loop step (bf16)
-    if heads < 1 or split % unit or split < 2 * unit:
-        raise ValueError(f"mla_decode: split must be a multiple of {unit} and >= {2 * unit} at {heads} heads a "
-                         f"program, got {split}")
-    step = _BL if split % _BL == 0 and split >= 2 * _BL else unit
+    split, heads, step, rows = plan(L, B, H, c.dtype, c.device, split, heads, cfg)
     ns = triton.cdiv(L, split)
     o_part = mt.empty(B, ns, H, R, dtype=torch.float32, device=c.device)
     m_part = mt.empty(B, ns, H, dtype=torch.float32, device=c.device)
     l_part = mt.empty(B, ns, H, dtype=torch.float32, device=c.device)
     out = mt.empty(B, H, R, dtype=torch.float32, device=c.device)
     RP = _pad(R)
-    _mla_decode_split_kernel[(triton.cdiv(H, heads), B, ns)](
-        q_lat, q_pe, c, k_pe, pos, o_part, m_part, l_part, scale * 1.4426950408889634,
-        q_pe.stride(0), q_pe.stride(1), c.stride(0), c.stride(1), k_pe.stride(0), k_pe.stride(1),
-        H=H, R=R, P=P, HG=heads, HP=_pad(heads), RP=RP, PP=_pad(P), SPLIT=split,
-        BL=step if c.dtype == torch.bfloat16 else _BL_FP32, BF16=c.dtype == torch.bfloat16,
-        MMA=mt.compiled(_mla_decode_split_kernel), num_warps=_WARPS)
+    grid = (triton.cdiv(H, heads), B, ns)
+    args = (q_lat, q_pe, c, k_pe, pos, o_part, m_part, l_part, scale * 1.4426950408889634,
+            q_pe.stride(0), q_pe.stride(1), c.stride(0), c.stride(1), k_pe.stride(0), k_pe.stride(1))
+    shape = dict(H=H, R=R, P=P, HG=heads, HP=_pad(heads), RP=RP, PP=_pad(P), SPLIT=split)
+    if rows == "positions":
+        _mla_decode_positions_kernel[grid](*args, **shape, BL=_BL, MMA=mt.compiled(_mla_decode_positions_kernel),
+                                           num_warps=_WARPS, num_stages=_POSITIONS_STAGES)
+    else:
+        _mla_decode_split_kernel[grid](*args, **shape, BL=step if c.dtype == torch.bfloat16 else _BL_FP32,
+                                       BF16=c.dtype == torch.bfloat16, MMA=mt.compiled(_mla_decode_split_kernel),
+                                       num_warps=_WARPS)
     BR = min(RP, 128)
     nsp = triton.next_power_of_2(ns)
     _mla_decode_combine_kernel[(B, H, triton.cdiv(R, BR))](o_part, m_part, l_part, pos, out, SPLIT=split, NS=ns,
