@@ -485,51 +485,64 @@ def mla_layout_case(T: int, device: str = "cuda") -> list[dict]:
     return recs
 
 
-def mla_rows_case(T: int, device: str = "cuda") -> dict | None:
-    """mla_decode with CONFIG's rows = "positions" (ours) against "heads" (peer "heads-rows", the default), both in
-    default_layout, graph-timed over MLA_LAYERS layers' calls (each its own cache), batch 1, a buffer of T
-    positions, the query at T-1; checked against each other and the fp32 torch reference. None where the layout's
-    loop step is not _BL (SHORT's steps of 32 at short buffers), so that both would run the same kernel."""
+MLA_POSITIONS_WARPS = (4, 8)  # the positions kernel's warps that mla_rows_case times
+
+
+def mla_rows_case(T: int, device: str = "cuda") -> list[dict]:
+    """mla_decode with CONFIG's rows = "positions" (ours, at each of MLA_POSITIONS_WARPS) against "heads" (peer
+    "heads-rows", the default), both in default_layout, graph-timed over MLA_LAYERS layers' calls (each its own
+    cache), batch 1, a buffer of T positions, the query at T-1; each checked against the peer's output and the
+    fp32 torch reference. One record per warps; none where the layout's loop step is not _BL (SHORT's steps of
+    32 at short buffers), where both would run the heads-as-rows kernel."""
     from model import ops
     from model.triton import mla_decode as ml
     dev = torch.device(device)
-    layout = ml.plan(T, 1, MLA_H, DTYPE, dev, cfg=dict(rows="positions"))
-    if layout.rows != "positions":
-        log(f"  mla_decode_rows T={T}: layout {layout} runs the heads-as-rows kernel either way; not timed")
-        return None
+    theirs = dict(rows="heads")
+    if ml.plan(T, 1, MLA_H, DTYPE, dev, cfg=dict(rows="positions")).rows != "positions":
+        log(f"  mla_decode_rows T={T}: layout {ml.plan(T, 1, MLA_H, DTYPE, dev)} runs the heads-as-rows kernel "
+            f"either way; not timed")
+        return []
     g = torch.Generator(device=device).manual_seed(T)
     q_lat = 3 * torch.randn(1, MLA_H, MLA_R, generator=g, device=device)
     q_pe = (3 * torch.randn(1, MLA_H, MLA_P, generator=g, device=device)).to(DTYPE)
     caches = [(torch.randn(1, T, MLA_R, generator=g, device=device).to(DTYPE),
                torch.randn(1, T, MLA_P, generator=g, device=device).to(DTYPE)) for _ in range(MLA_LAYERS)]
     pos, scale = torch.tensor(T - 1, device=device), 192 ** -0.5
-    params = {"op": "mla_decode_rows", "B": 1, "T": T, "H": MLA_H, "d": MLA_R + MLA_P, "dtype": "bfloat16",
-              "split": layout.split, "heads": layout.heads, "step": layout.step}
-    results, reasons = {"peer": "heads-rows", "timing": graph_timing(MLA_LAYERS)}, []
-    ours, theirs = dict(rows="positions"), dict(rows="heads")
-    try:
-        c, k_pe = caches[0]
-        o = ml.mla_decode(q_lat, q_pe, c, k_pe, pos, scale, cfg=ours)
-        o_peer = ml.mla_decode(q_lat, q_pe, c, k_pe, pos, scale, cfg=theirs)
-        results["ours_ms"] = graph_ms([lambda L=L: ml.mla_decode(q_lat, q_pe, L[0], L[1], pos, scale, cfg=ours)
-                                       for L in caches])
-        results["peer_ms"] = graph_ms([lambda L=L: ml.mla_decode(q_lat, q_pe, L[0], L[1], pos, scale, cfg=theirs)
-                                       for L in caches])
-        # the cache bytes a call reads, over its time: against the HBM bandwidth the e2e benchmark measures
-        results["gbps"] = T * (MLA_R + MLA_P) * c.element_size() / results["ours_ms"] / 1e6
-        results["peer_gbps"] = T * (MLA_R + MLA_P) * c.element_size() / results["peer_ms"] / 1e6
-        results["rel_err_vs_fp32_ref"] = rel_err(o, ops.mla_decode_attention_torch(q_lat, q_pe, c, k_pe, pos, scale))
-        versus(results, reasons, o, o_peer, 1e-4)
-        if not results["rel_err_vs_fp32_ref"] <= 1e-4:
-            reasons.append(f"ours differs from the fp32 torch reference: {results['rel_err_vs_fp32_ref']:.3g}")
-    except Exception as e:  # record the failure
-        traceback.print_exc()
-        reasons.append(f"mla_decode_rows failed: {type(e).__name__}: {e}")
-    rec = kernel_record(params, results, reasons, device)
-    log(f"  mla_decode_rows T={T:<6d} split={layout.split} heads={layout.heads}: positions={_ms(results.get('ours_ms'))}"
-        f" ({results.get('gbps', 0):.0f} GB/s) heads={_ms(results.get('peer_ms'))} (graph, per layer)  "
-        f"{rec['verdict']} {reasons}")
-    return rec
+    c, k_pe = caches[0]
+    read = T * (MLA_R + MLA_P) * c.element_size()   # the cache bytes a call reads
+
+    def timed(cfg):
+        return graph_ms([lambda L=L: ml.mla_decode(q_lat, q_pe, L[0], L[1], pos, scale, cfg=cfg) for L in caches])
+
+    recs, peer_ms, o_peer, ref = [], None, None, None
+    for warps in MLA_POSITIONS_WARPS:
+        ours = dict(rows="positions", positions_warps=warps)
+        layout = ml.plan(T, 1, MLA_H, DTYPE, dev, cfg=ours)
+        params = {"op": "mla_decode_rows", "B": 1, "T": T, "H": MLA_H, "d": MLA_R + MLA_P, "dtype": "bfloat16",
+                  "split": layout.split, "heads": layout.heads, "step": layout.step, "warps": warps}
+        results, reasons = {"peer": "heads-rows", "timing": graph_timing(MLA_LAYERS)}, []
+        try:
+            if o_peer is None:
+                o_peer = ml.mla_decode(q_lat, q_pe, c, k_pe, pos, scale, cfg=theirs)
+                ref = ops.mla_decode_attention_torch(q_lat, q_pe, c, k_pe, pos, scale)
+                peer_ms = timed(theirs)
+            o = ml.mla_decode(q_lat, q_pe, c, k_pe, pos, scale, cfg=ours)
+            results["ours_ms"], results["peer_ms"] = timed(ours), peer_ms
+            # GB/s over the cache bytes a call reads: against the HBM bandwidth the e2e benchmark measures
+            results["gbps"], results["peer_gbps"] = read / results["ours_ms"] / 1e6, read / peer_ms / 1e6
+            results["rel_err_vs_fp32_ref"] = rel_err(o, ref)
+            versus(results, reasons, o, o_peer, 1e-4)
+            if not results["rel_err_vs_fp32_ref"] <= 1e-4:
+                reasons.append(f"ours differs from the fp32 torch reference: {results['rel_err_vs_fp32_ref']:.3g}")
+        except Exception as e:  # record the failure, go on with the next warps
+            traceback.print_exc()
+            reasons.append(f"mla_decode_rows failed: {type(e).__name__}: {e}")
+        rec = kernel_record(params, results, reasons, device)
+        recs.append(rec)
+        log(f"  mla_decode_rows T={T:<6d} split={layout.split} heads={layout.heads} warps={warps}: "
+            f"positions={_ms(results.get('ours_ms'))} ({results.get('gbps', 0):.0f} GB/s) "
+            f"heads={_ms(results.get('peer_ms'))} (graph, per layer)  {rec['verdict']} {reasons}")
+    return recs
 
 
 MOE_TILE_ROWS = 128  # the rows of torch's grouped-GEMM tiles on sm_90 when a problem has more than 128 rows a group

@@ -486,13 +486,15 @@ def test_mla_rows_bench_plumbing(records_dir, monkeypatch):
     for name, value in (("MLA_H", 4), ("MLA_R", 32), ("MLA_P", 16), ("MLA_LAYERS", 2)):
         monkeypatch.setattr(bk, name, value)
     monkeypatch.setattr(bk, "graph_ms", lambda calls: ([c() for c in calls], 0.01)[1])
-    rec = bk.mla_rows_case(300, device="cpu")
-    assert rec["verdict"] == "VALID", rec["reasons"]
-    assert (rec["params"]["op"], rec["params"]["split"], rec["params"]["step"]) == ("mla_decode_rows", 128, 64)
-    assert 0 < rec["results"]["rel_err_vs_peer"] < 1e-5 and rec["results"]["peer"] == "heads-rows"
+    recs = bk.mla_rows_case(300, device="cpu")
+    assert [r["verdict"] for r in recs] == ["VALID", "VALID"], [r["reasons"] for r in recs]
+    assert [r["params"]["warps"] for r in recs] == [4, 8]
+    for r in recs:
+        assert (r["params"]["op"], r["params"]["split"], r["params"]["step"]) == ("mla_decode_rows", 128, 64)
+        assert 0 < r["results"]["rel_err_vs_peer"] < 1e-5 and r["results"]["peer"] == "heads-rows"
     monkeypatch.setattr(ml, "SHORT", dict(heads=2, BL=32))
-    assert bk.mla_rows_case(200, device="cpu") is None
-    assert len(load(kinds="kernel", root=records_dir).records) == 1
+    assert bk.mla_rows_case(200, device="cpu") == []
+    assert len(load(kinds="kernel", root=records_dir).records) == 2
 
 
 def test_mla_absorb_sweep_plumbing(records_dir, monkeypatch):

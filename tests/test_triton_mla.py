@@ -119,6 +119,8 @@ def test_split_kernels_agree_and_rows_is_checked():
     assert rel_err(a, b) <= 2e-6 and not torch.equal(a, b)
     with pytest.raises(ValueError, match="rows must be one of"):
         mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, cfg=dict(rows="columns"))
+    with pytest.raises(ValueError, match="positions_warps must be 4 or 8"):
+        mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, cfg=dict(rows="positions", positions_warps=6))
     with pytest.raises(ValueError, match="unknown cfg keys"):
         mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, cfg=dict(kernel="positions"))
 

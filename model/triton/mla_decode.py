@@ -276,12 +276,17 @@ def default_layout(L: int, B: int, H: int, device: torch.device) -> tuple[int, i
 
 # Which split kernel a bf16 cache takes where the loop step is _BL positions: "heads" (`_mla_decode_split_kernel`,
 # the heads the products' rows) or "positions" (`_mla_decode_positions_kernel`, the cache positions the rows: warpgroup
-# MMAs on sm_90). Everything else (an fp32 cache, SHORT's steps of 32) takes "heads". The launched sm_90 build of
-# "positions" at 32 heads (8 warps, two stages; three need 303 KB of shared memory): 217 registers, no spills,
-# 229,376 bytes of shared memory, its cache loads async copies; per 64 positions its products read an estimated
-# 360 KB of shared memory against ~795 KB of the other's ldmatrix loads (offline counts, not measured). Not timed
-# on the H200 yet: "heads" stays the default until `bench_kernels --ops mla_decode_rows` has measured both.
-CONFIG = dict(rows="heads")
+# MMAs on sm_90), over `positions_warps` warps. Everything else (an fp32 cache, SHORT's steps of 32) takes "heads".
+# The launched sm_90 builds at 32 heads, offline (the shared-memory reads estimated from their instructions' shapes;
+# nothing here measured): two stages (three need 303 KB of shared memory), 229,376 bytes of shared memory as the
+# heads kernel's three, the cache loads async copies.
+# - "heads" (mma.sync): 194 ldmatrix.x4 a warp per 64 positions, ~795 KB of shared-memory reads for the products.
+# - "positions", 4 warps (one warpgroup): 255 registers (8 bytes spilled: one value kept across the loop, stored
+#   before it and loaded after it); the scores as 36 wgmma m64n64k16, p @ c as 64 m64n32k16; ~280 KB.
+# - "positions", 8 warps: 217 registers, no spills; Triton gives a dot that feeds another all warps along its
+#   rows (its flash-attention rule), so both warpgroups compute the same 64-row scores: ~576 KB.
+# "heads" stays the default until `bench_kernels --ops mla_decode_rows` has timed them on the H200.
+CONFIG = dict(rows="heads", positions_warps=4)
 ROWS = ("heads", "positions")
 _POSITIONS_STAGES = 2
 
@@ -291,6 +296,7 @@ class Plan(NamedTuple):
     heads: int   # heads per program
     step: int    # positions per loop step
     rows: str    # the split kernel that runs: one of ROWS
+    warps: int   # its warps
 
 
 def plan(L: int, B: int, H: int, dtype: torch.dtype, device: torch.device, split: int | None = None,
@@ -306,12 +312,14 @@ def plan(L: int, B: int, H: int, dtype: torch.dtype, device: torch.device, split
         raise ValueError(f"mla_decode: split must be a multiple of {unit} and >= {2 * unit} at {heads} heads a "
                          f"program, got {split}")
     step = _BL if split % _BL == 0 and split >= 2 * _BL else unit
-    rows = mt.launch_config("mla_decode", CONFIG, cfg)["rows"]
-    if rows not in ROWS:
-        raise ValueError(f"mla_decode: rows must be one of {ROWS}, got {rows!r}")
-    if not (dtype == torch.bfloat16 and step == _BL):
-        rows = "heads"
-    return Plan(split, heads, step, rows)
+    c = mt.launch_config("mla_decode", CONFIG, cfg)
+    if c["rows"] not in ROWS:
+        raise ValueError(f"mla_decode: rows must be one of {ROWS}, got {c['rows']!r}")
+    if c["positions_warps"] not in (4, 8):
+        raise ValueError(f"mla_decode: positions_warps must be 4 or 8 (warpgroups), got {c['positions_warps']!r}")
+    if c["rows"] == "positions" and dtype == torch.bfloat16 and step == _BL:
+        return Plan(split, heads, step, "positions", c["positions_warps"])
+    return Plan(split, heads, step, "heads", _WARPS)
 
 
 def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads: int | None = None,
@@ -328,7 +336,8 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads
     assert q_lat.dtype == torch.float32 and q_lat.is_contiguous()
     assert c.stride(-1) == 1 and k_pe.stride(-1) == 1 and q_pe.stride(-1) == 1
     mt.require_runnable(_mla_decode_split_kernel, c.device)
-    split, heads, step, rows = plan(L, B, H, c.dtype, c.device, split, heads, cfg)
+    layout = plan(L, B, H, c.dtype, c.device, split, heads, cfg)
+    split, heads, step = layout.split, layout.heads, layout.step
     ns = triton.cdiv(L, split)
     o_part = mt.empty(B, ns, H, R, dtype=torch.float32, device=c.device)
     m_part = mt.empty(B, ns, H, dtype=torch.float32, device=c.device)
@@ -339,13 +348,13 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads
     args = (q_lat, q_pe, c, k_pe, pos, o_part, m_part, l_part, scale * 1.4426950408889634,
             q_pe.stride(0), q_pe.stride(1), c.stride(0), c.stride(1), k_pe.stride(0), k_pe.stride(1))
     shape = dict(H=H, R=R, P=P, HG=heads, HP=_pad(heads), RP=RP, PP=_pad(P), SPLIT=split)
-    if rows == "positions":
+    if layout.rows == "positions":
         _mla_decode_positions_kernel[grid](*args, **shape, BL=_BL, MMA=mt.compiled(_mla_decode_positions_kernel),
-                                           num_warps=_WARPS, num_stages=_POSITIONS_STAGES)
+                                           num_warps=layout.warps, num_stages=_POSITIONS_STAGES)
     else:
         _mla_decode_split_kernel[grid](*args, **shape, BL=step if c.dtype == torch.bfloat16 else _BL_FP32,
                                        BF16=c.dtype == torch.bfloat16, MMA=mt.compiled(_mla_decode_split_kernel),
-                                       num_warps=_WARPS)
+                                       num_warps=layout.warps)
     BR = min(RP, 128)
     nsp = triton.next_power_of_2(ns)
     _mla_decode_combine_kernel[(B, H, triton.cdiv(R, BR))](o_part, m_part, l_part, pos, out, SPLIT=split, NS=ns,
