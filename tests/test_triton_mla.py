@@ -123,6 +123,11 @@ def test_split_kernels_agree_and_rows_is_checked():
         mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, cfg=dict(rows="positions", positions_warps=6))
     with pytest.raises(ValueError, match="unknown cfg keys"):
         mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, cfg=dict(kernel="positions"))
+    # a cache whose offsets within a sequence pass 2^31 (meta tensors: nothing allocated, refused before any launch)
+    big = [torch.empty(1, 2 ** 22 + 1, n, dtype=torch.bfloat16, device="meta") for n in (512, 64)]
+    q = [torch.empty(1, 4, n, dtype=dt, device="meta") for n, dt in ((512, torch.float32), (64, torch.bfloat16))]
+    with pytest.raises(ValueError, match="32 bits"):
+        mla_decode(*q, *big, torch.empty((), dtype=torch.long, device="meta"), 0.2, cfg=dict(rows="positions"))
 
 
 def test_default_layout_groups_heads_only_for_short_buffers(monkeypatch):

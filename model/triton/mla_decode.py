@@ -183,7 +183,7 @@ def _mla_decode_positions_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, 
                                 other=0.))
     qp2 = _hi_lo_columns(tl.load(q_pe + i_b * s_qpe_b + h[None, :] * s_qpe_h + p[:, None],
                                  mask=m_p[:, None] & m_h[None, :], other=0.).to(tl.float32))
-    c_b = c + i_b.to(tl.int64) * s_c_b      # the sequence's rows; a row's offset fits 32 bits
+    c_b = c + i_b.to(tl.int64) * s_c_b      # the sequence's rows: within them 32-bit offsets (`mla_decode` checks)
     kpe_b = k_pe + i_b.to(tl.int64) * s_kpe_b
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
@@ -349,6 +349,9 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads
             q_pe.stride(0), q_pe.stride(1), c.stride(0), c.stride(1), k_pe.stride(0), k_pe.stride(1))
     shape = dict(H=H, R=R, P=P, HG=heads, HP=_pad(heads), RP=RP, PP=_pad(P), SPLIT=split)
     if layout.rows == "positions":
+        if max((L - 1) * c.stride(1) + R, (L - 1) * k_pe.stride(1) + P) >= 2 ** 31:
+            raise ValueError(f"mla_decode: the positions kernel addresses a sequence's cache in 32 bits; {L} positions "
+                             f"of stride {c.stride(1)} do not fit (rows='heads' does)")
         _mla_decode_positions_kernel[grid](*args, **shape, BL=_BL, MMA=mt.compiled(_mla_decode_positions_kernel),
                                            num_warps=layout.warps, num_stages=_POSITIONS_STAGES)
     else:
