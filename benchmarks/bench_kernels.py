@@ -436,6 +436,14 @@ def versus(results: dict, reasons: list[str], ours, theirs, tol: float) -> None:
     judge_peer(results, reasons, tol)
 
 
+def versus_mla(results: dict, reasons: list[str], ours, theirs, ref) -> None:
+    """`versus` the peer's MLA decode output, and ours against the fp32 torch reference `ref`: both within 1e-4."""
+    results["rel_err_vs_fp32_ref"] = rel_err(ours, ref)
+    versus(results, reasons, ours, theirs, 1e-4)
+    if not results["rel_err_vs_fp32_ref"] <= 1e-4:
+        reasons.append(f"ours differs from the fp32 torch reference: {results['rel_err_vs_fp32_ref']:.3g}")
+
+
 MLA_SHORTS = (dict(heads=16, BL=32), dict(heads=16, BL=64))  # the SHORT layouts mla_decode_layout times
 
 
@@ -468,10 +476,7 @@ def mla_layout_case(T: int, device: str = "cuda") -> list[dict]:
                 peer_ms = graph_ms([lambda L=L: ml.mla_decode(q_lat, q_pe, L[0], L[1], pos, scale, split=split)
                                     for L in caches])
             results["peer_ms"] = peer_ms
-            results["rel_err_vs_fp32_ref"] = rel_err(o, ref)
-            versus(results, reasons, o, o_peer, 1e-4)
-            if not results["rel_err_vs_fp32_ref"] <= 1e-4:
-                reasons.append(f"ours differs from the fp32 torch reference: {results['rel_err_vs_fp32_ref']:.3g}")
+            versus_mla(results, reasons, o, o_peer, ref)
         except Exception as e:  # record the failure, go on with the next layout
             traceback.print_exc()
             reasons.append(f"mla_decode_layout failed: {type(e).__name__}: {e}")
@@ -530,10 +535,7 @@ def mla_rows_case(T: int, device: str = "cuda") -> list[dict]:
             results["ours_ms"], results["peer_ms"] = timed(ours), peer_ms
             # GB/s over the cache bytes a call reads: against the HBM bandwidth the e2e benchmark measures
             results["gbps"], results["peer_gbps"] = read / results["ours_ms"] / 1e6, read / peer_ms / 1e6
-            results["rel_err_vs_fp32_ref"] = rel_err(o, ref)
-            versus(results, reasons, o, o_peer, 1e-4)
-            if not results["rel_err_vs_fp32_ref"] <= 1e-4:
-                reasons.append(f"ours differs from the fp32 torch reference: {results['rel_err_vs_fp32_ref']:.3g}")
+            versus_mla(results, reasons, o, o_peer, ref)
         except Exception as e:  # record the failure, go on with the next warps
             traceback.print_exc()
             reasons.append(f"mla_decode_rows failed: {type(e).__name__}: {e}")

@@ -72,6 +72,24 @@ def _dot_f32(a, b, acc, B_IS_BF16: tl.constexpr, MMA: tl.constexpr):
 
 
 @triton.jit
+def _split_span(pos_ptr, i_s, SPLIT: tl.constexpr):
+    """Split i_s's positions [start, end): from i_s * SPLIT to the split's end or pos, whichever is first (empty
+    for a split that starts past pos)."""
+    start = i_s * SPLIT
+    return start, tl.minimum(start + SPLIT, tl.load(pos_ptr).to(tl.int32) + 1)
+
+
+@triton.jit
+def _group_heads(i_g, H: tl.constexpr, HG: tl.constexpr, HP: tl.constexpr):
+    """Head group i_g's heads as HP lanes, and which lanes are heads."""
+    if HG >= H:
+        h = tl.arange(0, HP)  # one group: no head offset (a runtime one costs ~20 registers at 32 heads)
+    else:
+        h = i_g * HG + tl.arange(0, HP)
+    return h, (tl.arange(0, HP) < HG) & (h < H)
+
+
+@triton.jit
 def _mla_decode_split_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_part, qk_scale,
                              s_qpe_b, s_qpe_h, s_c_b, s_c_l, s_kpe_b, s_kpe_l,
                              H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, HG: tl.constexpr,
@@ -82,17 +100,12 @@ def _mla_decode_split_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_pa
     the groups of one split run side by side and all but the first find its cache rows in L2."""
     i_g, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NS = tl.num_programs(2)
-    pos = tl.load(pos_ptr).to(tl.int32)
-    start = i_s * SPLIT
-    if start > pos:
+    start, end = _split_span(pos_ptr, i_s, SPLIT)
+    if end <= start:
         return  # past the current position: nothing to read; the combine skips this split
-    end = tl.minimum(start + SPLIT, pos + 1)
-    if HG >= H:
-        h = tl.arange(0, HP)  # one group: no head offset (a runtime one costs ~20 registers at 32 heads)
-    else:
-        h = i_g * HG + tl.arange(0, HP)
+    h, m_h = _group_heads(i_g, H, HG, HP)
     r, p = tl.arange(0, RP), tl.arange(0, PP)
-    m_h, m_r, m_p = (tl.arange(0, HP) < HG) & (h < H), r < R, p < P
+    m_r, m_p = r < R, p < P
     q = tl.load(q_lat + (i_b * H + h[:, None]) * R + r[None, :], mask=m_h[:, None] & m_r[None, :], other=0.)
     qp = tl.load(q_pe + i_b * s_qpe_b + h[:, None] * s_qpe_h + p[None, :], mask=m_h[:, None] & m_p[None, :],
                  other=0.).to(tl.float32)
@@ -168,17 +181,12 @@ def _mla_decode_positions_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, 
     and tail included. Same workspace as the other kernel, same combine."""
     i_g, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NS = tl.num_programs(2)
-    pos = tl.load(pos_ptr).to(tl.int32)
-    start = i_s * SPLIT
-    if start > pos:
+    start, end = _split_span(pos_ptr, i_s, SPLIT)
+    if end <= start:
         return  # past the current position: nothing to read; the combine skips this split
-    end = tl.minimum(start + SPLIT, pos + 1)
-    if HG >= H:
-        h = tl.arange(0, HP)
-    else:
-        h = i_g * HG + tl.arange(0, HP)
+    h, m_h = _group_heads(i_g, H, HG, HP)
     r, p = tl.arange(0, RP), tl.arange(0, PP)
-    m_h, m_r, m_p = (tl.arange(0, HP) < HG) & (h < H), r < R, p < P
+    m_r, m_p = r < R, p < P
     q2 = _hi_lo_columns(tl.load(q_lat + (i_b * H + h[None, :]) * R + r[:, None], mask=m_r[:, None] & m_h[None, :],
                                 other=0.))
     qp2 = _hi_lo_columns(tl.load(q_pe + i_b * s_qpe_b + h[None, :] * s_qpe_h + p[:, None],
