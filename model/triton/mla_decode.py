@@ -54,19 +54,23 @@ _BL_FP32 = 16
 
 
 @triton.jit
+def _dot_bf16(a, b, acc, MMA: tl.constexpr):
+    """acc + a @ b of bf16 tiles (exact products, fp32 sums); MMA=False (the interpreter, whose bf16 tl.dot is wrong
+    in Triton 3.6) dots the same values as fp32 in IEEE."""
+    if MMA:
+        return tl.dot(a, b, acc)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
 def _dot_f32(a, b, acc, B_IS_BF16: tl.constexpr, MMA: tl.constexpr):
     """acc + a @ b for fp32 `a`, to fp32 accuracy: bf16 `b` takes a's bf16 head and tail in two exact-product
-    MMAs; fp32 `b` takes one IEEE dot. MMA=False (the interpreter, whose bf16 tl.dot is wrong in Triton 3.6)
-    dots the same bf16 values as fp32 in IEEE, which is the same exact-product sum."""
+    dots (`_dot_bf16`); fp32 `b` takes one IEEE dot."""
     if B_IS_BF16:
         hi = a.to(tl.bfloat16)
         lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
-        if MMA:
-            return tl.dot(lo, b, tl.dot(hi, b, acc))
-        else:
-            bf = b.to(tl.float32)
-            acc = tl.dot(hi.to(tl.float32), bf, acc, input_precision="ieee")
-            return tl.dot(lo.to(tl.float32), bf, acc, input_precision="ieee")
+        return _dot_bf16(lo, b, _dot_bf16(hi, b, acc, MMA), MMA)
     else:
         return tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
 
@@ -135,16 +139,6 @@ def _mla_decode_split_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_pa
     tl.store(o_part + (row * H + h[:, None]) * R + r[None, :], acc, mask=m_h[:, None] & m_r[None, :])
     tl.store(m_part + row * H + h, m_i, mask=m_h)
     tl.store(l_part + row * H + h, l_i, mask=m_h)
-
-
-@triton.jit
-def _dot_bf16(a, b, acc, MMA: tl.constexpr):
-    """acc + a @ b of bf16 tiles (exact products, fp32 sums); MMA=False (the interpreter, whose bf16 tl.dot is wrong
-    in Triton 3.6) dots the same values as fp32 in IEEE."""
-    if MMA:
-        return tl.dot(a, b, acc)
-    else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
