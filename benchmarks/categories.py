@@ -27,11 +27,14 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     # Our Triton KDA kernels (kda_*) and fla's (chunk_kda*, fused_recurrent*, the gated delta rule
     # they are built on); the short causal conv belongs to the KDA layer too.
     ("kda", r"kda|fused_recurrent|gated_delta_rule|causal_conv1d"),
-    # MLA: our mla_* kernels, flash-attention / SDPA (fmha_cutlass* must not fall into gemm), softmax.
-    ("mla_attention", r"mla_|fmha|flash_fwd|flash_attn|softmax"),
+    # MLA: our mla_* kernels, flash-attention / SDPA (fmha_cutlass* must not fall into gemm; cuDNN's SDPA kernels,
+    # cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma*, must not fall into other), softmax.
+    ("mla_attention", r"mla_|fmha|flash_fwd|flash_fprop|flash_attn|sdpa|softmax"),
     # Router glue: our moe_route*, the sigmoid router, torch.topk (sbtopk/mbtopk) and the sorts behind it.
     ("moe_routing", r"moe_route|sigmoid\w*rout|topk|top_k|sort"),
-    ("moe_experts", r"moe_expert|fused_moe|moe_combine"),
+    # Expert work: the decode experts, the prefill's grouped GEMMs (moe_grouped_*) and the dispatch and combine
+    # around them.
+    ("moe_experts", r"moe_expert|fused_moe|moe_grouped|moe_dispatch|moe_combine"),
     # cuBLAS / cutlass / nvjet matmuls, incl. cuBLAS's split-K reduction that belongs to its GEMM.
     ("gemm", r"gemv|gemm|cutlass|xmma|nvjet|splitkreduce"),
     ("norm", r"rms_?norm|layer_?norm|l2_?norm|group_?norm"),
@@ -44,7 +47,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("cast", r"to_copy|(?<!broad)(?<!no)(?<!without)cast|convert|gpu_kernel_impl<|float\d+\w*_copy_kernel"),
     # Same-dtype device copies (contiguous(), index copies) and fills are memcpy/memset in kernel form.
     ("memcpy", r"memcpy|memset|direct_copy|copy_kernel|fillfunctor"),
-    ("elementwise", r"elementwise|triton_poi|pointwise"),
+    ("elementwise", r"elementwise|triton_poi|pointwise|silu_mul"),
     ("reduction", r"reduce|reduction|triton_red|triton_per"),
 )
 OTHER = "other"

@@ -818,7 +818,7 @@ def sm90_spills() -> dict:
         out["smem_guard"] = "missed"
     except AssertionError as e:
         out["smem_guard"] = "caught" if "shared memory" in str(e) else str(e)
-    out["mla_cache_append"] = stack_bytes(ml._cache_append_kernel, {
+    out["mla_cache_append"] = stack_bytes(ml._mla_cache_append_kernel, {
         "kv": bf, "weight": bf, "c_cache": bf, "kpe_cache": bf, "pos_ptr": "*i64", "eps": "fp32",
         **dict.fromkeys(["s_kv", "s_cb", "s_cl", "s_kb", "s_kl"], "i32")}, dict(R=R, P=P, RP=R, PP=P),
         dict(s_kv=mla_rows, s_cb=L * 512, s_cl=512, s_kb=L * 64, s_kl=64), num_warps=4)
@@ -834,7 +834,7 @@ def sm90_spills() -> dict:
 
     def absorb(K, N, x, ints):
         cfg = ml.absorb_config(K)
-        return stack_bytes(ml._absorb_kernel, {**absorb_sig, "x": x},
+        return stack_bytes(ml._mla_absorb_kernel, {**absorb_sig, "x": x},
                            dict(K=K, N=N, BP=16, BK=min(K, cfg["BK"]), BN=min(N, cfg["BN"]), BF16=True, MMA=True),
                            [dict(B=b, **ints) for b in (1, 8)], num_warps=cfg["num_warps"])
 
@@ -877,14 +877,14 @@ def sm90_spills() -> dict:
         ["tile_e", "tile_r0", "offs"], "*i32"), "n_tiles": "i32"}, dict(K=K, D=2304, I=1024, **tiles("gate_up")),
         {"w_desc": desc("gate_up", "BN")})
     n_tiles = [dict(n_tiles=n) for n in (512, 77)]
-    out["moe_grouped_gate_up"] = stack_bytes(mg._gate_up_silu_kernel, sig, consts, n_tiles,
+    out["moe_grouped_gate_up"] = stack_bytes(mg._moe_grouped_gate_up_kernel, sig, consts, n_tiles,
                                              num_warps=gc["gate_up"]["num_warps"],
                                              num_stages=gc["gate_up"]["num_stages"])
     sig, consts = with_descs({"h": bf, "w": bf, "out": bf, **dict.fromkeys(["tile_e", "tile_r0", "offs"], "*i32"),
                               "n_tiles": "i32"}, dict(D=2304, I=1024, **tiles("down")),
                              {"h_desc": desc("down", "BM"), "w_desc": desc("down", "BN")})
-    out["moe_grouped_down"] = stack_bytes(mg._down_kernel, sig, consts, n_tiles, num_warps=gc["down"]["num_warps"],
-                                          num_stages=gc["down"]["num_stages"])
+    out["moe_grouped_down"] = stack_bytes(mg._moe_grouped_down_kernel, sig, consts, n_tiles,
+                                          num_warps=gc["down"]["num_warps"], num_stages=gc["down"]["num_stages"])
     from model.triton import act
     out["silu_mul"] = stack_bytes(act._silu_mul_kernel, {**dict.fromkeys("guh", bf), "N": "i32", "I": "i32",
                                                          "stride_g": "i32", "stride_u": "i32"},

@@ -368,8 +368,8 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads
 
 
 @triton.jit
-def _cache_append_kernel(kv, weight, c_cache, kpe_cache, pos_ptr, eps, s_kv, s_cb, s_cl, s_kb, s_kl,
-                         R: tl.constexpr, P: tl.constexpr, RP: tl.constexpr, PP: tl.constexpr):
+def _mla_cache_append_kernel(kv, weight, c_cache, kpe_cache, pos_ptr, eps, s_kv, s_cb, s_cl, s_kb, s_kl,
+                             R: tl.constexpr, P: tl.constexpr, RP: tl.constexpr, PP: tl.constexpr):
     """Sequence b (one program): c_cache[b, pos] = rmsnorm(kv[b, :R]) in HF's order (fp32 normalise, round
     to kv's dtype, times weight), kpe_cache[b, pos] = kv[b, R:]."""
     b = tl.program_id(0).to(tl.int64)
@@ -390,16 +390,16 @@ def mla_cache_append(kv, weight, eps, c_cache, kpe_cache, pos):
         raise ValueError(f"mla_cache_append: kv {tuple(kv.shape)}, weight {tuple(weight.shape)} and caches "
                          f"{tuple(c_cache.shape)} / {tuple(kpe_cache.shape)} do not fit")
     assert kv.stride(-1) == 1 and c_cache.stride(-1) == 1 and kpe_cache.stride(-1) == 1
-    mt.require_runnable(_cache_append_kernel, kv.device)
-    _cache_append_kernel[(B,)](kv, weight, c_cache, kpe_cache, pos, float(eps), kv.stride(0), c_cache.stride(0),
-                               c_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), R=R, P=P,
-                               RP=triton.next_power_of_2(R), PP=triton.next_power_of_2(P), num_warps=4)
+    mt.require_runnable(_mla_cache_append_kernel, kv.device)
+    _mla_cache_append_kernel[(B,)](kv, weight, c_cache, kpe_cache, pos, float(eps), kv.stride(0), c_cache.stride(0),
+                                   c_cache.stride(1), kpe_cache.stride(0), kpe_cache.stride(1), R=R, P=P,
+                                   RP=triton.next_power_of_2(R), PP=triton.next_power_of_2(P), num_warps=4)
 
 
 @triton.jit
-def _absorb_kernel(x, w, out, B, s_xb, s_xh, s_wh, s_wk, s_wn,
-                   K: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                   BF16: tl.constexpr, MMA: tl.constexpr):
+def _mla_absorb_kernel(x, w, out, B, s_xb, s_xh, s_wh, s_wk, s_wn,
+                       K: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                       BF16: tl.constexpr, MMA: tl.constexpr):
     """out[:, h, n-block] = x[:, h, :] @ w[h, :, n-block] in fp32, every sequence of the batch at once."""
     i_h, i_n = tl.program_id(0), tl.program_id(1)
     b, n = tl.arange(0, BP), i_n * BN + tl.arange(0, BN)
@@ -434,12 +434,12 @@ def mla_absorb(x, w, cfg: dict | None = None):
     B, H, K = x.shape
     N = w.shape[2]
     assert x.stride(-1) == 1 and w.shape[:2] == (H, K)
-    mt.require_runnable(_absorb_kernel, x.device)
+    mt.require_runnable(_mla_absorb_kernel, x.device)
     c = mt.launch_config("mla_absorb", absorb_config(K), cfg)
     out = mt.empty(B, H, N, dtype=torch.float32, device=x.device)
     BN = min(_pad(N), c["BN"])
-    _absorb_kernel[(H, triton.cdiv(N, BN))](x, w, out, B, x.stride(0), x.stride(1), *w.stride(), K=K, N=N,
-                                          BP=_pad(B), BK=min(_pad(K), c["BK"]), BN=BN,
-                                          BF16=w.dtype == torch.bfloat16, MMA=mt.compiled(_absorb_kernel),
-                                          num_warps=c["num_warps"])
+    _mla_absorb_kernel[(H, triton.cdiv(N, BN))](x, w, out, B, x.stride(0), x.stride(1), *w.stride(), K=K, N=N,
+                                              BP=_pad(B), BK=min(_pad(K), c["BK"]), BN=BN,
+                                              BF16=w.dtype == torch.bfloat16, MMA=mt.compiled(_mla_absorb_kernel),
+                                              num_warps=c["num_warps"])
     return out

@@ -113,10 +113,10 @@ def _gate_up_silu_tile(p, x, order, w, w_desc, h, tile_e, tile_r0, offs, n_tiles
 
 
 @triton.jit
-def _gate_up_silu_kernel(x, order, w, w_desc, h, tile_e, tile_r0, offs, n_tiles, K: tl.constexpr,
-                         D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         N_FASTEST: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
-                         COMPILED: tl.constexpr):
+def _moe_grouped_gate_up_kernel(x, order, w, w_desc, h, tile_e, tile_r0, offs, n_tiles, K: tl.constexpr,
+                                D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                BK: tl.constexpr, N_FASTEST: tl.constexpr, TMA: tl.constexpr,
+                                PERSISTENT: tl.constexpr, COMPILED: tl.constexpr):
     """x [N, D]; order [M] sorted pairs (flat n*K + k); w [E, 2I, D] (gate rows, then up rows); h [M, I];
     tile_e / tile_r0 [n_tiles] int32 (expert, first row; expert -1 past the last tile); offs [E] int32 row ends.
     Grid: one program a tile of n_tiles x cdiv(I, BN), or PERSISTENT: fewer programs, each taking every
@@ -171,10 +171,11 @@ def _down_tile(p, h, h_desc, w, w_desc, out, tile_e, tile_r0, offs, n_tiles, D: 
 
 
 @triton.jit
-def _down_kernel(h, h_desc, w, w_desc, out, tile_e, tile_r0, offs, n_tiles, D: tl.constexpr, I: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_FASTEST: tl.constexpr, TMA: tl.constexpr,
-                 PERSISTENT: tl.constexpr, COMPILED: tl.constexpr):
-    """h [M, I] (sorted rows); w [E, D, I]; out [M, D] (sorted rows). Grid as `_gate_up_silu_kernel`'s."""
+def _moe_grouped_down_kernel(h, h_desc, w, w_desc, out, tile_e, tile_r0, offs, n_tiles, D: tl.constexpr,
+                             I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             N_FASTEST: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+                             COMPILED: tl.constexpr):
+    """h [M, I] (sorted rows); w [E, D, I]; out [M, D] (sorted rows). Grid as `_moe_grouped_gate_up_kernel`'s."""
     n_all = n_tiles * tl.cdiv(D, BN)
     if PERSISTENT:
         if COMPILED:
@@ -234,7 +235,7 @@ def gate_up_silu(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_
     h = mt.empty(M, I, dtype=x.dtype, device=x.device)
     gate_up = gate_up.contiguous()
     w_desc = TensorDescriptor.from_tensor(gate_up.view(E * 2 * I, D), [k["BN"], k["BK"]]) if k["tma"] else None
-    _launch(_gate_up_silu_kernel, tiles[0].numel() * triton.cdiv(I, k["BN"]), k, x.device,
+    _launch(_moe_grouped_gate_up_kernel, tiles[0].numel() * triton.cdiv(I, k["BN"]), k, x.device,
             x.contiguous(), order, gate_up, w_desc, h, *tiles, offs, tiles[0].numel(), K=K, D=D, I=I,
             BM=k["BM"], BN=k["BN"], BK=k["BK"], N_FASTEST=bool(c["n_fastest"]))
     return h
@@ -254,7 +255,7 @@ def down(h: torch.Tensor, offs: torch.Tensor, down_w: torch.Tensor, cfg: dict | 
     if k["tma"]:
         h_desc = TensorDescriptor.from_tensor(h, [k["BM"], k["BK"]])
         w_desc = TensorDescriptor.from_tensor(down_w.view(E * D, I), [k["BN"], k["BK"]])
-    _launch(_down_kernel, tiles[0].numel() * triton.cdiv(D, k["BN"]), k, h.device,
+    _launch(_moe_grouped_down_kernel, tiles[0].numel() * triton.cdiv(D, k["BN"]), k, h.device,
             h, h_desc, down_w, w_desc, out, *tiles, offs, tiles[0].numel(), D=D, I=I, BM=k["BM"], BN=k["BN"],
             BK=k["BK"], N_FASTEST=bool(c["n_fastest"]))
     return out
