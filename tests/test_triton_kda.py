@@ -728,6 +728,16 @@ def sm90_spills() -> dict:
                             dict(D=2304, BD=4096, ROWS=1, ADD_RES=True, GATED=False, SIGNAL=True),
                             [dict(N=n, stride_x=2304) for n in (1,) + Ts], num_warps=8),
     }
+    # the norm's other launches: the KDA output norm of a prefill (gated; rows of 128, T*32 of them) and MLA's kv_a
+    # norm (rows of 512, a column slice of the packed projection's 6720, or of kv_a's own 576 with last_only)
+    norm_sig = {**dict.fromkeys(["x", "res", "gate", "weight", "y", "res_out"], bf), "N": "i32", "stride_x": "i32",
+                "eps": "fp32"}
+    out["norm_gated"] = stack_bytes(nm._rmsnorm_kernel, norm_sig,
+                                    dict(D=128, BD=128, ROWS=16, ADD_RES=False, GATED=True, SIGNAL=True),
+                                    [dict(N=T * 32, stride_x=128) for T in Ts], num_warps=4)
+    out["norm_kv_a"] = stack_bytes(nm._rmsnorm_kernel, norm_sig,
+                                   dict(D=512, BD=512, ROWS=8, ADD_RES=False, GATED=False, SIGNAL=True),
+                                   [dict(N=T, stride_x=sx) for T in Ts for sx in (mla_rows, 512 + 64)], num_warps=4)
     # both kernels for fp32 inputs (tf32x3 dots, fp32 operands stored; Gate A's path on CUDA), at the default's tiles
     out["prep_fp32"], out["scan_fp32"] = chunk_prep(f32, "tf32x3", False), chunk_scan(f32, "tf32x3", False)
     # the other decode grids at the configs of bench_kernels' DECODE_SWEEP: the largest spill of each
@@ -853,7 +863,8 @@ def sm90_spills() -> dict:
     from model.triton import moe_dispatch
     out["moe_dispatch"] = stack_bytes(moe_dispatch._moe_dispatch_kernel, {"x": bf, "order": "*i64", "y": bf, "M": "i32"},
                                       dict(K=K, D=2304, BR=moe_dispatch.DISPATCH["BR"], BD=moe_dispatch.DISPATCH["BD"]),
-                                      [dict(M=T * K) for T in (8192, 1001)], num_warps=moe_dispatch.DISPATCH["num_warps"])
+                                      [dict(M=T * K) for T in (8192, 1001)],
+                                      num_warps=moe_dispatch.DISPATCH["num_warps"])
     from model.triton import moe_grouped as mg
     gc = mg.CONFIG
 
@@ -890,7 +901,8 @@ def sm90_spills() -> dict:
                                                          "stride_g": "i32", "stride_u": "i32"},
                                   dict(ROWS=act._BLOCK // 1024, BI=1024, LIBDEVICE=True),
                                   # MLP's separate gate and up (the shared expert's, 1024 wide; layer 0's, 9216), and
-                                  # the routed experts' halves of one gate|up output (prefill without the grouped kernel)
+                                  # the routed experts' halves of one gate|up output (a prefill without the grouped
+                                  # kernel)
                                   [dict(N=n, I=i, stride_g=i, stride_u=i) for n in (1,) + Ts for i in (1024, 9216)]
                                   + [dict(N=T, I=1024, stride_g=2048, stride_u=2048) for T in Ts], num_warps=4)
     out["kda_gate"] = stack_bytes(act._kda_gate_kernel, {"f": bf, "A_log": f32, "dt_bias": f32, "g": f32, "N": "i32",
@@ -918,13 +930,14 @@ def test_kernels_compile_for_the_h200():
     spills = json.loads(child.stdout.strip().splitlines()[-1])
     assert spills["control"] == 0 and spills["broken"] is None, "the compile check cannot tell good from bad"
     assert spills["smem_guard"] == "caught", spills["smem_guard"]
-    assert spills["decode"] == 0 and spills["norm"] == 0, spills
+    assert spills["decode"] == 0 and spills["norm"] == spills["norm_gated"] == spills["norm_kv_a"] == 0, spills
     assert spills["decode_adjacent"] == 0 and spills["decode_whole"] == 0, spills
     assert spills["moe_gate_up"] == 0 and spills["moe_down"] == 0 and spills["moe_route"] == 0, spills
     assert "moe_gate_up_fp32_bf16" in spills and "moe_down_fp32_bf16" in spills and "decode_fp32" in spills, spills
     assert spills["mla_split"] == 0 and spills["mla_combine"] == 0 and spills["mla_absorb"] == 0, spills
     assert spills["mla_split_fp32"] == 0 and spills["mla_split_min"] == 0, spills
-    assert spills["mla_split_async"] == [True, False], f"async copies (launched, odd strides): {spills['mla_split_async']}"
+    assert spills["mla_split_async"] == [True, False], f"async copies (launched, odd strides): " \
+                                                       f"{spills['mla_split_async']}"
     # 4 warps at 32 heads: 8 bytes, one value stored before the loop and loaded after it (kernel's CONFIG note)
     assert spills["mla_positions_4"][0] <= 8 and spills["mla_positions_4"][1] == 0, spills
     assert spills["mla_positions_8"] == [0, 0] and spills["mla_positions_async"], spills

@@ -16,7 +16,7 @@ from hypothesis import assume, given, strategies as st  # noqa: E402
 
 import model.triton as mt  # noqa: E402
 from model import ops  # noqa: E402
-from model.triton.mla_decode import _BL, ROWS, SHORT, mla_absorb, mla_decode  # noqa: E402
+from model.triton.mla_decode import _BL, ROWS, SHORT, mla_absorb, mla_decode, plan  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,6 +48,13 @@ def decode_inputs(B, H, R, P, L, dtype, seed, sharp=1.0, device=DEV):
 
 def fp64_reference(q_lat, q_pe, c, k_pe, pos, scale):
     return ops.mla_decode_attention_torch(*(t.double() for t in (q_lat, q_pe, c, k_pe)), pos, scale)
+
+
+def skip_unless_runs(rows, L, B, H, dtype, device, split=None, heads=None):
+    """Skip a case whose layout runs the other split kernel than `rows` names (an fp32 cache, SHORT's steps of 32
+    positions): it would repeat the heads kernel's case."""
+    if plan(L, B, H, dtype, torch.device(device), split, heads, cfg=dict(rows=rows)).rows != rows:
+        pytest.skip("this layout runs the heads kernel whatever rows says")
 
 
 def check(o, ref, tol, what):
@@ -87,8 +94,9 @@ def test_head_groups_match_fp64(B, H, heads, R, L, split, where, dtype, seed, ro
     check(o, fp64_reference(q_lat, q_pe, c, k_pe, pos, scale), TOL[DTYPES[dtype]], f"pos={int(pos)}")
 
 
-@pytest.mark.parametrize("layout", [(2 * _BL, None, "heads"), (2 * _BL, None, "positions"), (2 * SHORT_BL, 2, "heads")],
-                         ids=["all-heads", "all-heads-positions-rows", "head-groups"])
+@pytest.mark.parametrize("layout", [(2 * _BL, None, "heads"), (2 * _BL, None, "positions"), (2 * SHORT_BL, 2, "heads"),
+                                    (2 * _BL, 2, "positions")],
+                         ids=["all-heads", "all-heads-positions-rows", "head-groups", "head-groups-positions-rows"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("pos", [0, _BL - 1, 2 * _BL, 3 * _BL + 5])
 def test_positions_past_pos_are_not_read(pos, dtype, layout):
@@ -96,6 +104,7 @@ def test_positions_past_pos_are_not_read(pos, dtype, layout):
     B, H, R, P, L = 2, 4, 32, 16, 5 * _BL
     split, heads, rows = layout
     cfg = dict(rows=rows)
+    skip_unless_runs(rows, L, B, H, DTYPES[dtype], DEV, split, heads)
     q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], pos)
     p = torch.tensor(pos, device=DEV)
     clean = mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=split, heads=heads, cfg=cfg)
@@ -107,6 +116,22 @@ def test_positions_past_pos_are_not_read(pos, dtype, layout):
     # and the cache up to pos is read: changing position pos changes the result
     c[:, pos] += 1
     assert not torch.equal(mla_decode(q_lat, q_pe, c, k_pe, p, 0.2, split=split, heads=heads, cfg=cfg), clean)
+
+
+@pytest.mark.parametrize("H,heads,L,pos", [(6, 4, 300, 299), (4, 1, 200, 150), (4, 2, 130, 129)],
+                         ids=["last-group-masked", "one-head-groups", "two-head-groups"])
+@pytest.mark.parametrize("rows", ROWS)
+def test_head_groups_at_steps_of_64_match_fp64(H, heads, L, pos, rows):
+    """Head groups at splits of 2 * _BL (loop steps of _BL: the positions kernel's layout), the query deep in the
+    buffer so that every group's softmax spans many positions: a kernel that gave a group another group's query
+    fails here (hypothesis's draws reached the positions kernel's head groups only at pos 0, where any query
+    gives the same output)."""
+    P, scale, split = 16, 0.17, 2 * _BL
+    skip_unless_runs(rows, L, 2, H, torch.bfloat16, DEV, split, heads)
+    q_lat, q_pe, c, k_pe = decode_inputs(2, H, 32, P, L, torch.bfloat16, H * 100 + heads, sharp=2.0)
+    p = torch.tensor(pos, device=DEV)
+    o = mla_decode(q_lat, q_pe, c, k_pe, p, scale, split=split, heads=heads, cfg=dict(rows=rows))
+    check(o, fp64_reference(q_lat, q_pe, c, k_pe, p, scale), TOL[torch.bfloat16], f"H={H} heads={heads}")
 
 
 def test_split_kernels_agree_and_rows_is_checked():
@@ -238,13 +263,14 @@ def test_gpu_cache_append_real_shapes(B):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("dtype,rows", [("fp32", "heads"), ("bf16", "heads"), ("bf16", "positions")])  # fp32: heads only
+@pytest.mark.parametrize("dtype,rows", [("fp32", "heads"), ("bf16", "heads"), ("bf16", "positions")])
 @pytest.mark.parametrize("B,L", [(1, 1056), (1, 4096), (1, 131072), (4, 4096), (8, 32768)])
 @pytest.mark.parametrize("where", ["first", "small", "boundary", "last"])
 def test_gpu_decode_real_shapes(B, L, where, dtype, rows):
     from model.triton.mla_decode import default_layout
     H, R, P, scale = 32, 512, 64, 192 ** -0.5
     split = default_layout(L, B, H, torch.device("cuda"))[0]
+    skip_unless_runs(rows, L, B, H, DTYPES[dtype], "cuda")
     pos = {"first": 0, "small": 37, "boundary": split, "last": L - 1}[where]
     q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], L + B, sharp=3.0)
     p = torch.tensor(pos, device="cuda")
@@ -260,6 +286,7 @@ def test_gpu_decode_under_cuda_graph(L, rows):
     """One capture, replayed at several positions (pos updated in place), matches eager calls."""
     H, R, P = 32, 512, 64
     cfg = dict(rows=rows)
+    skip_unless_runs(rows, L, 1, H, torch.bfloat16, "cuda")
     q_lat, q_pe, c, k_pe = decode_inputs(1, H, R, P, L, torch.bfloat16, 3, device="cuda")
     pos = torch.tensor(0, device="cuda")
     mla_decode(q_lat, q_pe, c, k_pe, pos, 0.07, cfg=cfg)     # compile outside the capture

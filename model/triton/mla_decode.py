@@ -284,9 +284,10 @@ def default_layout(L: int, B: int, H: int, device: torch.device) -> tuple[int, i
 # heads kernel's three, the cache loads async copies.
 # - "heads" (mma.sync): 194 ldmatrix.x4 a warp per 64 positions, ~795 KB of shared-memory reads for the products.
 # - "positions", 4 warps (one warpgroup): 255 registers (8 bytes spilled: one value kept across the loop, stored
-#   before it and loaded after it); the scores as 36 wgmma m64n64k16, p @ c as 64 m64n32k16; ~280 KB.
-# - "positions", 8 warps: 217 registers, no spills; Triton gives a dot that feeds another all warps along its
-#   rows (its flash-attention rule), so both warpgroups compute the same 64-row scores: ~576 KB.
+#   before it and loaded after it); the scores as 36 wgmma m64n64k16, p @ c as 64 m64n32k16, each reading both
+#   operands from shared memory: ~344 KB.
+# - "positions", 8 warps: 216 registers, no spills; Triton gives a dot that feeds another all warps along its
+#   rows (its flash-attention rule), so both warpgroups compute the same 64-row scores: 104 m64n32k16 each, ~639 KB.
 # "heads" stays the default until `bench_kernels --ops mla_decode_rows` has timed them on the H200.
 CONFIG = dict(rows="heads", positions_warps=4)
 ROWS = ("heads", "positions")
