@@ -656,14 +656,18 @@ def sm90_spills() -> dict:
     from triton.compiler import ASTSource
     from model.triton import kda_chunk as kc, kda_decode as kd, norms as nm
 
+    def build(fn, sig, consts, ints, **opts):
+        """fn's sm_90 build for a launch whose int arguments have the values `ints` (`launched`)."""
+        s, c, attrs = launched(fn, sig, consts, ints)
+        return triton.compile(ASTSource(fn, s, c, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+
     def stack_bytes(fn, sig, consts, ints=None, **opts):
         """The most stack (spilled registers) a thread uses in fn's sm_90 builds, one build per launch in `ints`: the
         values of fn's int arguments at a launch the model makes (a dict, or a list of them where the model's
         launches specialise differently), each build specialised as Triton's launcher specialises that launch."""
         worst = 0
         for values in [ints or {}] if not isinstance(ints, list) else ints:
-            s, c, attrs = launched(fn, sig, consts, values)
-            k = triton.compile(ASTSource(fn, s, c, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+            k = build(fn, sig, consts, values, **opts)
             # an H200 refuses a launch past 227 KB of shared memory per block (seen: the fp32 MLA tile at BL=64)
             assert k.metadata.shared <= 232448, f"{fn.__name__}: {k.metadata.shared} B of shared memory"
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -676,9 +680,7 @@ def sm90_spills() -> dict:
 
     def async_copies(fn, sig, consts, ints, **opts):
         """Whether fn's sm_90 build for a launch with these ints loads through async copies (Triton's pipeliner)."""
-        s, c, attrs = launched(fn, sig, consts, ints)
-        k = triton.compile(ASTSource(fn, s, c, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-        return "ttg.async_copy_global_to_local" in k.asm["ttgir"]
+        return "ttg.async_copy_global_to_local" in build(fn, sig, consts, ints, **opts).asm["ttgir"]
 
     bf, f32 = "*bf16", "*fp32"
     c = kc.CONFIG

@@ -22,15 +22,14 @@ the H200 at batch 1, 8 and 64; the GPU tests hold both dtypes to the references)
 us `4ff7892a` to 6.02 us `d888cefc` (fla's call 5.34 in the same run), and one program per head became the fastest
 config at B=64 too (75.9 us `a677c29a`, the 32-column "adjacent" default of before 88.8 `042c2fd8`, fla 87.6 in the
 run's vs-peer case `b28e18a3`).
-Two orderings were measured and removed before that (graph-timed sweep of 00fa6bf): a whole head reading its conv
-taps with the other loads and writing them at the end, instead of the second round trip of the tap shift (`_finish_block`) (B=1
-6.96 us `5226d884` against 6.90 `5e1caee4`; B=64 89.8 against 92.4 us, `729f6ad9` / `ba38b11b`, one sample each,
-and not the default there), and the counter path storing its state block after reporting in, so that the release
-waits for o alone (B=1 at best 6.77 us `5c33123d` against 6.84 `c28f6baa`; B=64 86.0 against 87.4 us at the
-default, `ac80b39c` / `f541a781`). After it (sweep of 8f00376), o taken from the state before the update, o = S^T
-(e^g q) + u (k.q), so that neither reduction over S waits for the other: 120 fewer instructions a thread (offline
-SASS) and no faster (B=1 6.20 us `276aab53` against 6.02 `903f1119`; B=64 75.92 against 75.87, `167cd85d` /
-`5c2d7236`).
+Two orderings were measured and removed before that (graph-timed sweep of 00fa6bf): a whole head reading its conv taps
+with the other loads and writing them at the end, instead of the second round trip of the tap shift (`_finish_block`)
+(B=1 6.96 us `5226d884` against 6.90 `5e1caee4`; B=64 89.8 against 92.4 us, `729f6ad9` / `ba38b11b`, one sample each,
+and not the default there), and the counter path storing its state block after reporting in, so that the release waits
+for o alone (B=1 at best 6.77 us `5c33123d` against 6.84 `c28f6baa`; B=64 86.0 against 87.4 us at the default,
+`ac80b39c` / `f541a781`). After it (sweep of 8f00376), o taken from the state before the update, o = S^T (e^g q) + u
+(k.q), so that neither reduction over S waits for the other: 120 fewer instructions a thread (offline SASS) and no
+faster (B=1 6.20 us `276aab53` against 6.02 `903f1119`; B=64 75.92 against 75.87, `167cd85d` / `5c2d7236`).
 Also measured and removed (run of 9cd1aaa): the step launched early (PDL) after the model's projections, its state,
 taps and weights read before griddepcontrol.wait. Timed after the projections (32 layers, each its projections
 then the step, less the projections alone) it took 7.00 us against 6.72 plain, fla's call 6.17 (B=1, `292191df`).
