@@ -77,7 +77,7 @@ report: $(SETUP)
 	$(PY) -m reports.render
 
 nightly: $(SETUP)
-	$(PY) -m reports.nightly
+	$(PY) -m reports.nightly $(if $(PRESET),--preset $(PRESET)) $(if $(STEPS),--steps $(STEPS))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,18 +1,27 @@
 """The nightly run: gates, benchmarks and decomposition on whatever box this is, then regression checks
 against this machine's own history, a summary, a `nightly` record, and the rendered report.
 
-`python -m reports.nightly [--records DIR] [--out DIR] [--preset P]`. On a CPU it runs the `tiny` preset
-(benchmarks in their `--quick` form); on a GPU that fits it, `48b-a3b`. Each step runs in its own process,
-so a crash or an out-of-memory in one step cannot take the others down and device memory is returned
-between steps. Exit status: 0 when every gate held, every step ran and no benchmark regressed; 1 otherwise.
+`python -m reports.nightly [--records DIR] [--out DIR] [--preset P] [--steps A,B] [--step-timeout S]`. On a
+CPU it runs the `tiny` preset (benchmarks in their `--quick` form); on a GPU that fits it, `48b-a3b`. Each step
+runs in its own process, so a crash or an out-of-memory in one step cannot take the others down and device
+memory is returned between steps; a step still running after `--step-timeout` seconds (a hung kernel, a wedged
+device) is killed with its process group and counts as failed. Each step's output is shown as it comes, each
+line behind the step's name, and kept whole in `<logs>/<step>.log`; the record names that folder and keeps a
+failed step's last lines. Exit status: 0 when every gate held, every step ran and no benchmark regressed; 1
+otherwise.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 from records import store
@@ -20,6 +29,10 @@ from records import store
 from . import regress
 
 ROOT = Path(__file__).resolve().parents[1]
+TAIL_LINES = 15
+# Generous for the 48B box: the longest step there (bench, with HF transformers decoding at ~7 tok/s as its
+# peer) is the one this must not cut short; a hung step is what it is for.
+STEP_TIMEOUT_S = 3 * 3600
 
 
 @dataclass
@@ -29,6 +42,7 @@ class Step:
     gate: bool = False             # a failing gate fails the nightly; other steps fail it only if they crash
     returncode: int | None = None
     seconds: float = 0.0
+    timed_out: bool = False
     tail: str = ""
 
 
@@ -60,15 +74,47 @@ def plan(preset: str | None, gpu: bool, out: Path) -> list[Step]:
     return steps
 
 
-def run(step: Step, env: dict) -> Step:
+def select(steps: list[Step], names: str | None) -> list[Step]:
+    """The steps named in `names` (comma-separated), in the plan's order; an unknown name is refused."""
+    if not names:
+        return steps
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = sorted(set(wanted) - {s.name for s in steps})
+    if unknown:
+        raise SystemExit(f"nightly: no step named {', '.join(unknown)}; this box's steps are "
+                         f"{', '.join(s.name for s in steps)}")
+    return [s for s in steps if s.name in wanted]
+
+
+def run(step: Step, env: dict, logs: Path, timeout_s: float) -> Step:
+    """Run one step in its own process group: its output streamed line by line behind its name and written whole
+    to `logs/<name>.log`; killed, group and all, once it has run `timeout_s` seconds."""
     print(f"[nightly] {step.name}: {' '.join(step.argv[1:])}", flush=True)
+    tail = collections.deque(maxlen=TAIL_LINES)
     t0 = time.perf_counter()
-    proc = subprocess.run(step.argv, cwd=ROOT, env=env, capture_output=True, text=True)
+    with open(logs / f"{step.name}.log", "w") as log:
+        proc = subprocess.Popen(step.argv, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+
+        def kill():
+            if proc.poll() is None:
+                step.timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)   # the group: a grandchild holding the pipe goes too
+
+        watchdog = threading.Timer(timeout_s, kill)
+        watchdog.start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                tail.append(line.rstrip("\n"))
+                print(f"[{step.name}] {line}", end="", flush=True)
+            proc.wait()
+        finally:
+            watchdog.cancel()
     step.seconds, step.returncode = time.perf_counter() - t0, proc.returncode
-    step.tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-    print(f"[nightly] {step.name}: exit {step.returncode} after {step.seconds:.1f} s", flush=True)
-    if step.returncode != 0:
-        print(step.tail, flush=True)
+    step.tail = "\n".join(tail)
+    how = f"killed after {timeout_s:.0f} s (--step-timeout)" if step.timed_out else f"exit {step.returncode}"
+    print(f"[nightly] {step.name}: {how} after {step.seconds:.1f} s", flush=True)
     return step
 
 
@@ -76,15 +122,21 @@ def same_machine(records: list[dict], host: str, gpu) -> list[dict]:
     return [r for r in records if r.get("machine", {}).get("host") == host and r.get("machine", {}).get("gpu") == gpu]
 
 
+def step_status(returncode: int | None, gate: bool, timed_out: bool) -> str:
+    """ok; FAIL (a gate that did not hold); CRASHED (another step's nonzero exit); TIMEOUT (killed)."""
+    if timed_out:
+        return "TIMEOUT"
+    if returncode == 0:
+        return "ok"
+    return "FAIL" if gate else "CRASHED"
+
+
 def judge(steps: list[Step], regressions: list[regress.Regression]) -> Verdict:
     v = Verdict(ok=True)
     for s in steps:
-        failed = s.returncode != 0
-        what = "FAIL" if failed else "ok"
-        if failed and not s.gate and s.returncode not in (None,):
-            what = "CRASHED"
+        what = step_status(s.returncode, s.gate, s.timed_out)
         v.lines.append(f"{s.name:<14} {what:<8} exit {s.returncode}  {s.seconds:6.1f} s")
-        v.ok &= not failed
+        v.ok &= s.returncode == 0
     for r in regressions:
         v.lines.append(f"{'regression' if r.verdict == 'regression' else 'speed':<14} {r.verdict:<8} "
                        f"{'/'.join(map(str, r.key))}: {r.message}")
@@ -97,13 +149,21 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
     ap.add_argument("--records", help="records directory (default: the store's)")
     ap.add_argument("--out", default=str(ROOT / "reports"), help="where the report is rendered")
     ap.add_argument("--preset", help="default: tiny on a CPU, 48b-a3b on a GPU (the gates' own default)")
+    ap.add_argument("--steps", help="comma-separated steps to run, of gate-a, gate-b, gate-memory, bench, "
+                                    "decompose and (on a GPU) bench-kernels; default: all")
+    ap.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S,
+                    help=f"seconds after which a step is killed and fails (default {STEP_TIMEOUT_S})")
+    ap.add_argument("--logs", help="folder for each step's whole output (default: out/nightly/<UTC time> "
+                                   "under the repository)")
     args = ap.parse_args(argv)
-    import os
     env = dict(os.environ)
     if args.records:
         env["KIMI_RECORDS_DIR"] = str(Path(args.records).resolve())
     gpu = on_gpu()
-    steps = [run(s, env) for s in (steps if steps is not None else plan(args.preset, gpu, Path(args.out)))]
+    steps = select(steps if steps is not None else plan(args.preset, gpu, Path(args.out)), args.steps)
+    logs = Path(args.logs or ROOT / "out" / "nightly" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
+    logs.mkdir(parents=True, exist_ok=True)
+    steps = [run(s, env, logs, args.step_timeout) for s in steps]
 
     loaded = store.load(root=args.records)
     prov = store.provenance()["machine"]
@@ -114,9 +174,10 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
     rec = store.make_record(
         "nightly", preset=args.preset or ("48b-a3b" if gpu else "tiny"), dtype="default",
         device="cuda" if gpu else "cpu", weights="see step records",
-        params={"steps": [s.name for s in steps]},
+        params={"steps": [s.name for s in steps], "step_timeout_s": args.step_timeout, "logs": str(logs)},
         results={"passed": verdict.ok,
-                 "steps": {s.name: {"returncode": s.returncode, "seconds": round(s.seconds, 2), "gate": s.gate}
+                 "steps": {s.name: {"returncode": s.returncode, "seconds": round(s.seconds, 2), "gate": s.gate,
+                                    "timed_out": s.timed_out, **({"tail": s.tail} if s.returncode != 0 else {})}
                            for s in steps},
                  "regressions": [{"key": list(map(str, r.key)), "verdict": r.verdict, "ratio": r.ratio,
                                   "p_value": r.p_value, "record": r.record_id, "message": r.message}
@@ -135,6 +196,7 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
     print("\n== nightly summary ==")
     for line in verdict.lines:
         print(line)
+    print(f"step logs in {logs}")
     print(report)
     print(f"NIGHTLY {'PASS' if verdict.ok else 'FAIL'}  (record {rec['id'][:8]})")
     return 0 if verdict.ok else 1

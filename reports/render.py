@@ -158,6 +158,39 @@ def targets_section(records: list[dict]) -> Section:
     return s
 
 
+NIGHTS = 30  # the nightly table shows this many of the latest runs
+
+
+def nightly_section(nights: list[dict]) -> Section:
+    """Nightly records as reports/nightly.py writes them: results.passed, results.steps {name: {returncode,
+    seconds, gate, timed_out, tail (a failed step's last lines)}}, results.regressions [{key, verdict, message}]."""
+    from reports.nightly import step_status
+
+    s = Section("Nightly runs")
+    if not nights:
+        s.blocks.append(NO_RECORDS)
+        return s
+    nights = sorted(nights, key=lambda r: r["time"])[-NIGHTS:][::-1]
+    s.blocks.append(f"The latest {len(nights)} nightly runs, newest first: each step's status and minutes, the "
+                    "benchmark configurations the regression check flagged against the machine's own history, "
+                    "and the last line a failed step printed (its record keeps the last lines, the step log "
+                    "the rest).")
+    rows = []
+    for r in nights:
+        steps = get(r, "results.steps", {})
+        cells = [f"{name} {step_status(st.get('returncode'), st.get('gate', False), st.get('timed_out', False))} "
+                 f"{st.get('seconds', 0) / 60:.1f} min" for name, st in steps.items()]
+        flagged = ["/".join(g["key"]) for g in get(r, "results.regressions", []) if g.get("verdict") == "regression"]
+        why = [f"{name}: {st['tail'].splitlines()[-1]}" for name, st in steps.items()
+               if st.get("returncode") != 0 and st.get("tail")]
+        rows.append([short_id(r), r["time"], machine(r), commit(r), str(r["preset"]),
+                     "PASS" if get(r, "results.passed") else "FAIL", "; ".join(cells) or "—",
+                     "; ".join(flagged) or "none", "; ".join(why) or "—"])
+    s.blocks.append(Table(["record", "time", "machine", "commit", "preset", "nightly", "steps", "regressions",
+                           "last line of a failed step"], rows, cite(nights)))
+    return s
+
+
 REASON_CHARS = 240  # a reason longer than this is cut in the table (the record keeps it whole)
 
 
@@ -649,6 +682,7 @@ def build(loaded, out: Path) -> list[Section]:
     return [
         problems_section(loaded.problems),
         targets_section(valid),
+        nightly_section(of("nightly")),
         speed_section(of("bench"), out),
         history_section(of("bench"), out),
         gates_section(of("gate_a", "gate_b"), out),

@@ -185,7 +185,7 @@ def test_empty_records_say_so(tmp_path):
     out = tmp_path / "out"
     render.render(tmp_path / "no-records", out)
     summary = (out / "SUMMARY.md").read_text()
-    assert summary.count(render.NO_RECORDS) >= 6
+    assert summary.count(render.NO_RECORDS) >= 7
     assert not list((out / "figures").glob("*.png"))
     assert "<h2>Gates</h2>" in (out / "index.html").read_text()
 
