@@ -36,11 +36,12 @@ def poisoned_buffers():
         yield
 
 
-def decode_inputs(B, H, R, P, L, dtype, seed, sharp=1.0, device=DEV):
-    """q_lat fp32, q_pe and the cache in `dtype`; `sharp` scales the query (peakier softmax)."""
+def decode_inputs(B, H, R, P, L, dtype, seed, sharp=1.0, device=DEV, qpe_dtype=None):
+    """q_lat fp32, q_pe in `qpe_dtype` (default: `dtype`) and the cache in `dtype`; `sharp` scales the query
+    (peakier softmax)."""
     g = torch.Generator().manual_seed(seed)
     q_lat = sharp * torch.randn(B, H, R, generator=g)
-    q_pe = (sharp * torch.randn(B, H, P, generator=g)).to(dtype)
+    q_pe = (sharp * torch.randn(B, H, P, generator=g)).to(qpe_dtype or dtype)
     c = torch.randn(B, L, R, generator=g).to(dtype)
     k_pe = torch.randn(B, L, P, generator=g).to(dtype)
     return [t.to(device) for t in (q_lat, q_pe, c, k_pe)]
@@ -65,13 +66,16 @@ def check(o, ref, tol, what):
 
 @given(B=st.sampled_from([1, 2]), H=st.sampled_from([2, 4]), R=st.sampled_from([32, 64]), L=st.integers(1, 300),
        split=st.sampled_from([2 * _BL, 3 * _BL]), where=st.sampled_from(["0", "boundary-1", "boundary", "last"]),
-       dtype=st.sampled_from(["fp32", "bf16"]), seed=st.integers(0, 999), rows=st.sampled_from(ROWS))
-def test_decode_matches_fp64(B, H, R, L, split, where, dtype, seed, rows):
-    """Either split kernel (`rows`; an fp32 cache takes the heads-as-rows one whatever `rows` says)."""
+       dtype=st.sampled_from(["fp32", "bf16"]), seed=st.integers(0, 999), rows=st.sampled_from(ROWS),
+       qpe=st.sampled_from(["fp32", "bf16", None]))
+def test_decode_matches_fp64(B, H, R, L, split, where, dtype, seed, rows, qpe):
+    """Either split kernel (`rows`; an fp32 cache takes the heads-as-rows one whatever `rows` says); q_pe in
+    the cache's dtype (None) or another (a bf16 q_pe takes one dot, an fp32 one a head and a tail)."""
     P, scale = 16, 0.17
     pos = {"0": 0, "boundary-1": split - 1, "boundary": split, "last": L - 1}[where]
     pos = torch.tensor(min(pos, L - 1), device=DEV)
-    q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], seed, sharp=2.0)
+    q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, DTYPES[dtype], seed, sharp=2.0,
+                                         qpe_dtype=qpe and DTYPES[qpe])
     o = mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split=split, cfg=dict(rows=rows))
     assert o.shape == (B, H, R) and o.dtype == torch.float32
     check(o, fp64_reference(q_lat, q_pe, c, k_pe, pos, scale), TOL[DTYPES[dtype]], f"pos={int(pos)}")
@@ -312,6 +316,31 @@ def test_gpu_absorb_real_shapes(B):
     check(mla_absorb(q_nope, w_uk), torch.einsum("bhn,hnr->bhr", q_nope.double(), w_uk.double()), 2e-6, "q_lat")
     check(mla_absorb(o_lat, w_uv.transpose(1, 2)), torch.einsum("bhr,hvr->bhv", o_lat.double(), w_uv.double()),
           2e-5, "o")
+
+
+def same_bits_either_dtype(B, H, R, P, L, device):
+    """A bf16 q_pe (q_nope) takes one product where its fp32 copy takes a head and an all-zero tail (`_dot_f32`):
+    the dropped product only added zeros, so each kernel's output must keep its bits."""
+    q_lat, q_pe, c, k_pe = decode_inputs(B, H, R, P, L, torch.bfloat16, L, sharp=2.0, device=device)
+    pos = torch.tensor(L - 3, device=device)
+    for rows in ROWS:
+        assert plan(L, B, H, c.dtype, c.device, 2 * _BL, cfg=dict(rows=rows)).rows == rows
+        one, two = (mla_decode(q_lat, q, c, k_pe, pos, 0.11, split=2 * _BL, cfg=dict(rows=rows))
+                    for q in (q_pe, q_pe.float()))
+        assert torch.isfinite(one).all() and torch.equal(one, two), rows
+    x = q_pe.repeat(1, 1, 2)                      # [B, H, 2P] bf16, as the model's q_nope
+    w = torch.randn(H, 2 * P, R, generator=torch.Generator().manual_seed(1)).bfloat16().to(device)
+    assert torch.equal(mla_absorb(x, w), mla_absorb(x.float(), w))
+
+
+def test_a_bf16_query_takes_one_product_and_keeps_the_bits():
+    same_bits_either_dtype(2, 4, 64, 16, 300, DEV)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_a_bf16_query_takes_one_product_and_keeps_the_bits():
+    same_bits_either_dtype(1, 32, 512, 64, 8192, "cuda")
 
 
 def test_decode_refuses_a_split_that_compiles_to_the_spilling_variant():

@@ -32,8 +32,8 @@ from model.triton.norms import _rms_normalize
 
 # The split kernel's tile and launch. sm_90 build at 32 heads x 512, specialised as the model's launch is (its
 # strides multiples of 16; tests/test_triton_kda.py sm90_spills): BL=64 with 8 warps takes 205 registers and no
-# spills, and Triton's pipeliner turns the cache loads into async copies, three stages deep (224 KB of shared
-# memory); BL=32 takes 210 registers, no spills; 4 warps spill 512 bytes. The [32, 512] fp32 accumulator alone is
+# spills, and Triton's pipeliner turns the cache loads into async copies, three stages deep (220 KB of shared
+# memory); BL=32 takes 210 registers, no spills; 4 warps spill 488 bytes. The [32, 512] fp32 accumulator alone is
 # 64 registers a thread. (Built without the launch's int specialisation, as this note first was, the loads stay
 # synchronous and the counts differ: 229 registers at BL=64.)
 _BL = 64  # cache positions per loop step
@@ -65,14 +65,17 @@ def _dot_bf16(a, b, acc, MMA: tl.constexpr):
 
 @triton.jit
 def _dot_f32(a, b, acc, B_IS_BF16: tl.constexpr, MMA: tl.constexpr):
-    """acc + a @ b for fp32 `a`, to fp32 accuracy: bf16 `b` takes a's bf16 head and tail in two exact-product
-    dots (`_dot_bf16`); fp32 `b` takes one IEEE dot."""
+    """acc + a @ b for fp32 or bf16 `a`, to fp32 accuracy: with bf16 `b`, an fp32 `a` takes its bf16 head and
+    tail in two exact-product dots (`_dot_bf16`), a bf16 `a` (the bf16 model's q_pe) one, its tail being zero;
+    fp32 `b` takes one IEEE dot."""
     if B_IS_BF16:
+        if a.dtype == tl.bfloat16:
+            return _dot_bf16(a, b, acc, MMA)
         hi = a.to(tl.bfloat16)
         lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
         return _dot_bf16(lo, b, _dot_bf16(hi, b, acc, MMA), MMA)
     else:
-        return tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -112,7 +115,7 @@ def _mla_decode_split_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_pa
     m_r, m_p = r < R, p < P
     q = tl.load(q_lat + (i_b * H + h[:, None]) * R + r[None, :], mask=m_h[:, None] & m_r[None, :], other=0.)
     qp = tl.load(q_pe + i_b * s_qpe_b + h[:, None] * s_qpe_h + p[None, :], mask=m_h[:, None] & m_p[None, :],
-                 other=0.).to(tl.float32)
+                 other=0.)     # in its own dtype: a bf16 q_pe takes one dot, not a head and a zero tail
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([HP, RP], tl.float32)
@@ -280,9 +283,10 @@ def default_layout(L: int, B: int, H: int, device: torch.device) -> tuple[int, i
 # the heads the products' rows) or "positions" (`_mla_decode_positions_kernel`, the cache positions the rows: warpgroup
 # MMAs on sm_90), over `positions_warps` warps. Everything else (an fp32 cache, SHORT's steps of 32) takes "heads".
 # The launched sm_90 builds at 32 heads, offline (the shared-memory reads estimated from their instructions' shapes;
-# nothing here measured): two stages (three need 303 KB of shared memory), 229,376 bytes of shared memory as the
-# heads kernel's three, the cache loads async copies.
-# - "heads" (mma.sync): 194 ldmatrix.x4 a warp per 64 positions, ~795 KB of shared-memory reads for the products.
+# nothing here measured): two stages (three need 303 KB of shared memory), 229,376 bytes of shared memory (the heads
+# kernel's three: 225,280), the cache loads async copies.
+# - "heads" (mma.sync): 186 ldmatrix.x4 a warp per 64 positions, ~762 KB of shared-memory reads for the products
+#   (194 and ~795 KB before the bf16 q_pe took one dot; `_dot_f32`).
 # - "positions", 4 warps (one warpgroup): 255 registers (8 bytes spilled: one value kept across the loop, stored
 #   before it and loaded after it); the scores as 36 wgmma m64n64k16, p @ c as 64 m64n32k16, each reading both
 #   operands from shared memory: ~344 KB.
@@ -408,7 +412,7 @@ def _mla_absorb_kernel(x, w, out, B, s_xb, s_xh, s_wh, s_wk, s_wn,
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
         xb = tl.load(x + b[:, None] * s_xb + i_h * s_xh + k[None, :], mask=(b < B)[:, None] & (k < K)[None, :],
-                     other=0.).to(tl.float32)
+                     other=0.)      # in its own dtype: the bf16 model's q_nope takes one dot (`_dot_f32`)
         wb = tl.load(w + i_h * s_wh + k[:, None] * s_wk + n[None, :] * s_wn,
                      mask=(k < K)[:, None] & (n < N)[None, :], other=0.)
         y = _dot_f32(xb, wb, y, BF16, MMA)
