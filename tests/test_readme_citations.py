@@ -21,7 +21,7 @@ def missing(text: str, records: list[dict]) -> list[str]:
 
 
 # the README and the long form of its results; each cites records, so the pattern must keep finding some there
-CITING = {"README.md": 20, "docs/RESULTS.md": 200}
+CITING = {"README.md": 12, "docs/RESULTS.md": 200}
 
 
 def test_every_record_the_readme_cites_exists():
