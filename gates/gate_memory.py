@@ -50,14 +50,15 @@ def run_memory_gate(opts: Options, *, reader: Callable[[], MemReading | None] | 
     def finish(verdict: str, decision: str, passed: bool | None, reason: str, code: int) -> int:
         path = record("memory", opts, weights, {"prompt_ids_source": b.source, "context": context},
                       {**results, "decision": decision, "passed": passed}, reasons=[reason], records_root=records_root)
-        log(f"Memory gate {verdict} ({decision}): {reason} [record {path}]")
+        said = "" if decision[:4] == verdict.lower()[:4] else f" ({decision})"     # not "SKIP (skipped)"
+        log(f"Memory gate {verdict}{said}: {reason} [record {path}]")
         return code
 
     before = reader() if reader is not None else None
     if before is None:
         why = ("device is cpu: no device memory to guard" if opts.device == "cpu"
                else "no NVML reading of the GPU: the floor cannot be checked")
-        return finish("SKIP", "skipped", None, f"skipped: {why}", EXIT_PASS)
+        return finish("SKIP", "skipped", None, why, EXIT_PASS)
     results["free_before_bytes"] = before.free
     floor = check_floor(projection, opts.floor_bytes, before)
     log(floor.message)

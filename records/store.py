@@ -59,10 +59,15 @@ def git(*args: str) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
+# What the suite writes into its own tree: the records, the rendered report and its figures, the profiler traces.
+OUTPUTS = ("records/*.jsonl", "reports/index.html", "reports/SUMMARY.md", "reports/figures/*", "reports/traces/*")
+
+
 def _git_state() -> dict:
     commit = git("rev-parse", "--verify", "-q", "HEAD")
-    # The records files themselves live in the tree; appending one must not make the next record "dirty".
-    status = git("status", "--porcelain", "--", ".", ":(exclude)records/*.jsonl")
+    # The records files live in the tree, and so do the report and the traces rendered from them: writing them (a
+    # nightly appends records, writes a trace, renders the report) must not make the next record "dirty".
+    status = git("status", "--porcelain", "--", ".", *(f":(exclude){p}" for p in OUTPUTS))
     state = {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
     # A copy of the tree run elsewhere (the GPU box) may have no usable git: whoever sent it names the commit.
     if state["commit"] is None and os.environ.get("KIMI_GIT_COMMIT"):

@@ -7,8 +7,10 @@ runs in its own process, so a crash or an out-of-memory in one step cannot take 
 memory is returned between steps; a step still running after `--step-timeout` seconds (a hung kernel, a wedged
 device) is killed with its process group and counts as failed. Each step's output is shown as it comes, each
 line behind the step's name, and kept whole in `<logs>/<step>.log`; the record names that folder and keeps a
-failed step's last lines. Exit status: 0 when every gate held, every step ran and no benchmark regressed; 1
-otherwise.
+failed step's last lines. The regression check judges the bench records this run wrote, each against the earlier
+runs of its machine and configuration (none written: nothing judged). A gate that records a skip (the memory gate
+without a GPU) shows as skipped: it holds nothing, and fails nothing. Exit status: 0 when every gate held, every
+step ran and no benchmark regressed; 1 otherwise.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class Step:
     returncode: int | None = None
     seconds: float = 0.0
     timed_out: bool = False
+    skipped: bool = False          # the step ran and recorded that it could not judge here (results.decision)
     tail: str = ""
 
 
@@ -80,10 +83,21 @@ def select(steps: list[Step], names: str | None) -> list[Step]:
         return steps
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     unknown = sorted(set(wanted) - {s.name for s in steps})
-    if unknown:
-        raise SystemExit(f"nightly: no step named {', '.join(unknown)}; this box's steps are "
-                         f"{', '.join(s.name for s in steps)}")
+    if unknown or not wanted:
+        raise SystemExit(f"nightly: {'no step named ' + ', '.join(unknown) if unknown else '--steps names no step'}; "
+                         f"this box's steps are {', '.join(s.name for s in steps)}")
     return [s for s in steps if s.name in wanted]
+
+
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def run(step: Step, env: dict, logs: Path, timeout_s: float) -> Step:
@@ -113,7 +127,7 @@ def run(step: Step, env: dict, logs: Path, timeout_s: float) -> Step:
             watchdog.cancel()
     step.seconds, step.returncode = time.perf_counter() - t0, proc.returncode
     step.tail = "\n".join(tail)
-    how = f"killed after {timeout_s:.0f} s (--step-timeout)" if step.timed_out else f"exit {step.returncode}"
+    how = f"killed (--step-timeout {timeout_s:g} s)" if step.timed_out else f"exit {step.returncode}"
     print(f"[nightly] {step.name}: {how} after {step.seconds:.1f} s", flush=True)
     return step
 
@@ -122,24 +136,37 @@ def same_machine(records: list[dict], host: str, gpu) -> list[dict]:
     return [r for r in records if r.get("machine", {}).get("host") == host and r.get("machine", {}).get("gpu") == gpu]
 
 
-def step_status(returncode: int | None, gate: bool, timed_out: bool) -> str:
-    """ok; FAIL (a gate that did not hold); CRASHED (another step's nonzero exit); TIMEOUT (killed)."""
+def mark_skips(steps: list[Step], new: list[dict]) -> None:
+    """A step whose run wrote a record with results.decision == "skipped" (the memory gate without a GPU) is
+    skipped, not ok: it exits 0 and judged nothing. Records name no step, so each gate step is matched to its
+    records' kind."""
+    kinds = {"gate-a": "gate_a", "gate-b": "gate_b", "gate-memory": "memory"}
+    for s in steps:
+        s.skipped = s.returncode == 0 and any(r.get("kind") == kinds.get(s.name) and
+                                              (r.get("results") or {}).get("decision") == "skipped" for r in new)
+
+
+def step_status(returncode: int | None, gate: bool, timed_out: bool, skipped: bool = False) -> str:
+    """ok; skipped (ran, judged nothing); FAIL (a gate that did not hold); CRASHED (another step's nonzero exit);
+    TIMEOUT (killed)."""
     if timed_out:
         return "TIMEOUT"
     if returncode == 0:
-        return "ok"
+        return "skipped" if skipped else "ok"
     return "FAIL" if gate else "CRASHED"
 
 
 def judge(steps: list[Step], regressions: list[regress.Regression]) -> Verdict:
     v = Verdict(ok=True)
     for s in steps:
-        what = step_status(s.returncode, s.gate, s.timed_out)
+        what = step_status(s.returncode, s.gate, s.timed_out, s.skipped)
         v.lines.append(f"{s.name:<14} {what:<8} exit {s.returncode}  {s.seconds:6.1f} s")
         v.ok &= s.returncode == 0
+    if not regressions:
+        v.lines.append("regression check: no bench record written by this run, nothing judged")
     for r in regressions:
-        v.lines.append(f"{'regression' if r.verdict == 'regression' else 'speed':<14} {r.verdict:<8} "
-                       f"{'/'.join(map(str, r.key))}: {r.message}")
+        v.lines.append(f"{'REGRESSION' if r.verdict == 'regression' else r.verdict:<20} "
+                       f"{regress.describe(r.key)}: {r.message}")
         v.ok &= r.verdict != "regression"
     return v
 
@@ -151,7 +178,7 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
     ap.add_argument("--preset", help="default: tiny on a CPU, 48b-a3b on a GPU (the gates' own default)")
     ap.add_argument("--steps", help="comma-separated steps to run, of gate-a, gate-b, gate-memory, bench, "
                                     "decompose and (on a GPU) bench-kernels; default: all")
-    ap.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S,
+    ap.add_argument("--step-timeout", type=positive_seconds, default=STEP_TIMEOUT_S,
                     help=f"seconds after which a step is killed and fails (default {STEP_TIMEOUT_S})")
     ap.add_argument("--logs", help="folder for each step's whole output (default: out/nightly/<UTC time> "
                                    "under the repository)")
@@ -163,12 +190,20 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
     steps = select(steps if steps is not None else plan(args.preset, gpu, Path(args.out)), args.steps)
     logs = Path(args.logs or ROOT / "out" / "nightly" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
     logs.mkdir(parents=True, exist_ok=True)
+    print(f"[nightly] {len(steps)} step(s); each one's whole output goes to {logs}", flush=True)
+    before = {r["id"] for r in store.load(root=args.records).records}
     steps = [run(s, env, logs, args.step_timeout) for s in steps]
 
     loaded = store.load(root=args.records)
+    new = [r for r in loaded.records if r["id"] not in before]
+    mark_skips(steps, new)
     prov = store.provenance()["machine"]
     mine = same_machine(loaded.records, prov["host"], prov["gpu"])
-    regressions = regress.check_latest([r for r in mine if r.get("kind") == "bench"])
+    # tonight's bench records, each against its history; a configuration bench did not measure tonight (the step
+    # not selected, or crashed before it wrote) is not judged again on an old record
+    tonight = {r["id"] for r in new}
+    regressions = [g for g in regress.check_latest([r for r in mine if r.get("kind") == "bench"])
+                   if g.record_id in tonight]
     verdict = judge(steps, regressions)
 
     rec = store.make_record(
@@ -177,9 +212,10 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
         params={"steps": [s.name for s in steps], "step_timeout_s": args.step_timeout, "logs": str(logs)},
         results={"passed": verdict.ok,
                  "steps": {s.name: {"returncode": s.returncode, "seconds": round(s.seconds, 2), "gate": s.gate,
-                                    "timed_out": s.timed_out, **({"tail": s.tail} if s.returncode != 0 else {})}
+                                    "timed_out": s.timed_out, "skipped": s.skipped,
+                                    **({"tail": s.tail} if s.returncode != 0 else {})}
                            for s in steps},
-                 "regressions": [{"key": list(map(str, r.key)), "verdict": r.verdict, "ratio": r.ratio,
+                 "regressions": [{"key": list(r.key), "verdict": r.verdict, "ratio": r.ratio,
                                   "p_value": r.p_value, "record": r.record_id, "message": r.message}
                                  for r in regressions]},
         verdict="VALID")

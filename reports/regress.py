@@ -60,6 +60,14 @@ class Regression:
     history_ids: tuple[str, ...] = ()
 
 
+def describe(key: tuple) -> str:
+    """A fingerprint (KEY_FIELDS) as words: '48b-a3b decode ctx 1024 batch 1 ours-graph vs hf, bfloat16, NVIDIA
+    H200 @ host'."""
+    gpu, host, preset, phase, context, batch, impl, peer, dtype = key
+    return (f"{preset} {phase} ctx {context} batch {batch} {impl}{f' vs {peer}' if peer else ''}, {dtype}, "
+            f"{gpu or 'no GPU'} @ {host}")
+
+
 def _field(record: dict, dotted: str):
     value = record
     for part in dotted.split("."):
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = check_latest(load(kinds=["bench"], root=args.records).records, args.history)
     for r in results:
-        print(f"{r.verdict:>20}  {'/'.join(map(str, r.key))}  {r.record_id}: {r.message}")
+        print(f"{r.verdict:>20}  {describe(r.key)}  {r.record_id}: {r.message}")
     return 1 if any(r.verdict == "regression" for r in results) else 0
 
 

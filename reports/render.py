@@ -13,6 +13,7 @@ import argparse
 import html
 import json
 import re
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -91,7 +92,7 @@ def cite(records: list[dict]) -> str:
     if not records:
         return "no records"
     groups: dict[tuple, list[str]] = defaultdict(list)
-    for r in sorted(records, key=lambda r: r["time"]):
+    for r in sorted({r["id"]: r for r in records}.values(), key=lambda r: r["time"]):   # each record once
         groups[(machine(r), commit(r))].append(short_id(r))
     return "; ".join(f"records {', '.join(ids)} ({m}, commit {c})" for (m, c), ids in groups.items())
 
@@ -122,8 +123,11 @@ def fmt(x, spec: str | None = None) -> str:
 def save(fig, out: Path, name: str) -> str:
     (out / "figures").mkdir(parents=True, exist_ok=True)
     rel = f"figures/{name}.png"
-    fig.tight_layout()
-    fig.savefig(out / rel, dpi=100)
+    with warnings.catch_warnings():
+        # a legend placed beside the axes leaves tight_layout nothing it can do; bbox_inches keeps the legend whole
+        warnings.filterwarnings("ignore", "Tight layout not applied", UserWarning)
+        fig.tight_layout()
+    fig.savefig(out / rel, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return rel
 
@@ -164,28 +168,43 @@ NIGHTS = 30  # the nightly table shows this many of the latest runs
 def nightly_section(nights: list[dict]) -> Section:
     """Nightly records as reports/nightly.py writes them: results.passed, results.steps {name: {returncode,
     seconds, gate, timed_out, tail (a failed step's last lines)}}, results.regressions [{key, verdict, message}]."""
-    from reports.nightly import step_status
+    from reports.nightly import duration, step_status
 
     s = Section("Nightly runs")
     if not nights:
         s.blocks.append(NO_RECORDS)
         return s
     nights = sorted(nights, key=lambda r: r["time"])[-NIGHTS:][::-1]
-    s.blocks.append(f"The latest {len(nights)} nightly runs, newest first: each step's status and minutes, the "
-                    "benchmark configurations the regression check flagged against the machine's own history, "
-                    "and the last line a failed step printed (its record keeps the last lines, the step log "
-                    "the rest).")
+    s.blocks.append(f"The latest {len(nights)} nightly runs, newest first: each step's status and time; the "
+                    "regression check of the bench records the run wrote, each against the machine's own history "
+                    "(reports/regress.py); and the last line a failed step printed (its record keeps the last "
+                    "lines, the step's log the rest).")
+
+    def step_cell(name: str, st: dict) -> str:
+        status = step_status(st.get("returncode"), st.get("gate", False), st.get("timed_out", False),
+                             st.get("skipped", False))
+        return f"{name} {status} {duration(st.get('seconds', 0))}"
+
+    def checked(judged: list[dict]) -> str:
+        if not judged:
+            return "nothing judged (no bench record)"
+        flagged = [regress.describe(tuple(g["key"])) for g in judged if g.get("verdict") == "regression"]
+        short = sum(g.get("verdict") == "insufficient-history" for g in judged)
+        return ("REGRESSION: " + "; ".join(flagged) if flagged else f"none of {len(judged)} flagged") + \
+            (f" ({short} with too little history to judge)" if short else "")
+
+    def last_line(name: str, st: dict) -> str:
+        line = st["tail"].splitlines()[-1] if st.get("tail") else "(no output)"
+        return f"{name}: {line}" + (" (killed: --step-timeout)" if st.get("timed_out") else "")
+
     rows = []
     for r in nights:
         steps = get(r, "results.steps", {})
-        cells = [f"{name} {step_status(st.get('returncode'), st.get('gate', False), st.get('timed_out', False))} "
-                 f"{st.get('seconds', 0) / 60:.1f} min" for name, st in steps.items()]
-        flagged = ["/".join(g["key"]) for g in get(r, "results.regressions", []) if g.get("verdict") == "regression"]
-        why = [f"{name}: {st['tail'].splitlines()[-1]}" for name, st in steps.items()
-               if st.get("returncode") != 0 and st.get("tail")]
+        why = [last_line(name, st) for name, st in steps.items() if st.get("returncode") != 0]
         rows.append([short_id(r), r["time"], machine(r), commit(r), str(r["preset"]),
-                     "PASS" if get(r, "results.passed") else "FAIL", "; ".join(cells) or "—",
-                     "; ".join(flagged) or "none", "; ".join(why) or "—"])
+                     "PASS" if get(r, "results.passed") else "FAIL",
+                     "; ".join(step_cell(n, st) for n, st in steps.items()) or "no steps",
+                     checked(get(r, "results.regressions", [])), "; ".join(why) or "—"])
     s.blocks.append(Table(["record", "time", "machine", "commit", "preset", "nightly", "steps", "regressions",
                            "last line of a failed step"], rows, cite(nights)))
     return s
@@ -498,7 +517,8 @@ def decomposition_section(decomps: list[dict], out: Path) -> Section:
                         + ", ".join(f"{k} {v:.1%}" for k, v in SEED_SHARES.items()) + f", idle {SEED_IDLE:.0%} "
                         f"({SEED_CITATION})")
         return s
-    ours = max(decomps, key=lambda r: r["time"])
+    ours = max(decomps, key=decomposition_preference)
+    others = [r for r in decomps if decomposition_preference(r)[:-1] != decomposition_preference(ours)[:-1]]
     shares = get(ours, "results.shares", {})
     cats = [c for c in CATEGORY_NAMES if c in shares or c in SEED_SHARES] + sorted(set(shares) - set(CATEGORY_NAMES))
     label = f"ours ({short_id(ours)}, {commit(ours)})"
@@ -523,7 +543,25 @@ def decomposition_section(decomps: list[dict], out: Path) -> Section:
         ["idle (of wall time)", fmt(get(ours, "results.idle_fraction"), ".1%"), f"{SEED_IDLE:.0%}"],
         ["ms per step", fmt(get(ours, "results.step_ms")), "—"])]
     s.blocks.append(Table(["category", "ours", SEED_LABEL] + (["ours, exclusive time"] if excl else []), rows, src))
+    if others:
+        newest = max(others, key=lambda r: r["time"])
+        s.blocks.append(f"Drawn: the latest decomposition of the {DECOMPOSITION_PREFERRED} kind there is, or the one "
+                        f"closest to it. {len(others)} decode decomposition(s) of other kinds are not drawn; the "
+                        f"newest: {short_id(newest)} ({newest['preset']}, context "
+                        f"{get(newest, 'params.context', '?')}, {get(newest, 'params.mode', '?')}, "
+                        f"{machine(newest)}, commit {commit(newest)}).")
     return s
+
+
+DECOMPOSITION_PREFERRED = "48b-a3b, GPU, 1k context, CUDA-graph"
+
+
+def decomposition_preference(r: dict) -> tuple:
+    """Which decode decomposition the seed's is set beside: the 48B model on a GPU at 1k context in graph mode
+    (the configuration of the decode targets), then whichever comes closest, the latest of its kind. A tiny
+    decomposition on a CPU (the nightly's) or one at 128k must not take its place for being newer."""
+    return (r["preset"] == "48b-a3b", bool(get(r, "machine.gpu")), get(r, "params.context") == 1024,
+            get(r, "params.mode") == "graph", r["time"])
 
 
 def natural(text: str) -> list:
@@ -669,7 +707,8 @@ def memory_section(memory: list[dict], out: Path) -> Section:
          "projected GiB", "measured GiB", "min free GiB", "audit (measured/projected)", "reasons"],
         [[short_id(r), r["time"], machine(r), commit(r), str(r["preset"]), str(get(r, "params.context", "—")),
           str(get(r, "results.decision", "—")), gib(r, "free_before_bytes"), gib(r, "floor_bytes"),
-          gib(r, "projected_bytes"), gib(r, "measured_peak_bytes"), gib(r, "min_free_bytes"), audit(r),
+          "—" if get(r, "results.decision") == "skipped" else gib(r, "projected_bytes"),  # no device to project
+          gib(r, "measured_peak_bytes"), gib(r, "min_free_bytes"), audit(r),
           "; ".join(r["reasons"])] for r in memory], cite(memory)))
     return s
 

@@ -2,11 +2,13 @@
 import json
 import multiprocessing as mp
 import re
+import subprocess
 
 import numpy as np
 import pytest
 import torch
 
+from records import store
 from records.store import SCHEMA, append, load, make_record, provenance
 
 
@@ -226,3 +228,30 @@ def test_import_run_brings_the_trace_a_record_names(tmp_path, capsys):
     assert "missing.json.gz is not in" in err and "not under reports/traces/" in err
     assert len(load(root=here).records) == 3  # the records come in either way
     assert not (tmp_path / "etc").exists()
+
+
+def test_what_the_suite_writes_into_its_tree_does_not_make_a_record_dirty(tmp_path, monkeypatch):
+    """Records, the rendered report and traces are outputs (a nightly writes all three before its last records);
+    code, tracked or new, is not."""
+    def sh(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+    for f in ("records/bench.jsonl", "reports/SUMMARY.md", "reports/figures/a.png", "reports/traces/t.json.gz",
+              "reports/render.py", "model/model.py"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("x\n")
+    sh("init", "-q")
+    sh("add", "-A")
+    sh("commit", "-q", "-m", "c")
+    monkeypatch.setattr(store, "REPO_ROOT", tmp_path)
+    assert store._git_state()["dirty"] is False
+    for f in ("records/bench.jsonl", "reports/SUMMARY.md", "reports/figures/a.png"):
+        (tmp_path / f).write_text("y\n")
+    (tmp_path / "reports/traces/new.json.gz").write_text("t\n")
+    (tmp_path / "reports/index.html").write_text("<html>\n")
+    assert store._git_state()["dirty"] is False
+    (tmp_path / "model/new.py").write_text("z\n")               # a new module: code the commit does not hold
+    assert store._git_state()["dirty"] is True
+    (tmp_path / "model/new.py").unlink()
+    (tmp_path / "reports/render.py").write_text("changed\n")    # code among the outputs' folders
+    assert store._git_state()["dirty"] is True

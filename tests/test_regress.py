@@ -79,9 +79,11 @@ def test_a_slowdown_the_host_probe_matches_is_host_slower_not_a_regression(seed)
 
 def test_nightly_does_not_fail_on_host_slower():
     from reports import nightly
-    r = regress.Regression(("k",), "host-slower", 3.0, 2.0, 1.5, 1e-9, "host probe +60%")
+    key = ("NVIDIA H200", "vm", "48b-a3b", "decode", 1024, 1, "ours-graph", "hf", "bfloat16")
+    r = regress.Regression(key, "host-slower", 3.0, 2.0, 1.5, 1e-9, "host probe +60%")
     assert nightly.judge([], [r]).ok
     assert not nightly.judge([], [replace(r, verdict="regression")]).ok
+    assert regress.describe(key) == "48b-a3b decode ctx 1024 batch 1 ours-graph vs hf, bfloat16, NVIDIA H200 @ vm"
 
 
 def test_a_speedup_is_not_a_regression():
@@ -146,7 +148,7 @@ def test_cli_on_the_fixture_history_exits_1_for_the_planted_slowdown(capsys):
     assert regress.main(["--records", str(FIXTURE)]) == 1
     out = capsys.readouterr().out
     flagged = [line for line in out.splitlines() if line.strip().startswith("regression")]
-    assert len(flagged) == 1 and "/decode/8192/" in flagged[0]
+    assert len(flagged) == 1 and " decode ctx 8192 " in flagged[0]
 
 
 def test_the_message_names_the_gpu_clock_against_the_historys_and_the_verdict_stands():
