@@ -15,6 +15,7 @@ import sys
 import traceback
 
 from model import ops
+from model.checkpoint import check_checkpoint
 from model.config import PRESETS
 
 from .golden import GOLDEN_DIR, golden_name, make_golden, write_golden
@@ -42,16 +43,20 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--device", choices=DEVICES, help="default cuda when available")
     common.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, help="greedy tokens per prompt (16)")
     common.add_argument("--floor-gib", type=float, default=DEFAULT_FLOOR_GIB, help="free device memory to keep (15)")
-    common.add_argument("--source", choices=SOURCES, default="hf", help="golden: who generates it (hf)")
-    common.add_argument("--golden", metavar="PATH", help="gate-b: the golden to use (default: lookup in gates/goldens); "
-                                                         "golden: where to write it")
     common.add_argument("--seed", type=int, default=0, help="synthetic weights seed (0)")
     common.add_argument("--kernels", choices=KERNELS, default="auto", help="model ops: auto (Triton on CUDA), torch, triton")
+    # flags only some commands read: elsewhere argparse refuses them rather than let them be silently ignored
+    use_golden = argparse.ArgumentParser(add_help=False)
+    use_golden.add_argument("--golden", metavar="PATH", help="the golden to use (default: lookup in gates/goldens)")
+    make_golden_ = argparse.ArgumentParser(add_help=False)
+    make_golden_.add_argument("--golden", metavar="PATH", help="where to write it (default: gates/goldens/<name>)")
+    make_golden_.add_argument("--source", choices=SOURCES, default="hf", help="who generates it (hf)")
+    own = {"gate-b": [use_golden], "golden": [make_golden_]}
     ap = argparse.ArgumentParser(prog="python -m gates", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     for name, help_ in COMMANDS.items():
-        sub.add_parser(name, parents=[common], help=help_, description=help_)
+        sub.add_parser(name, parents=[common, *own.get(name, [])], help=help_, description=help_)
     return ap
 
 
@@ -61,6 +66,8 @@ def golden_command(opts: Options) -> int:
     with floor_guard(opts, context_len(b, opts.new_tokens)), ops.use(opts.kernels):
         # HF on a CPU loads a checkpoint directory itself; a second copy of a real model is not needed there
         hf_alone = opts.source == "hf" and opts.device == "cpu" and opts.model is not None
+        if hf_alone:
+            check_checkpoint(opts.model)   # held to our loader's checks all the same (HF's let more through)
         g = make_golden(opts, None if hf_alone else load_subject(opts))
     out = write_golden(g, path)
     print(f"golden {out}: {len(g['prompts'])} prompts x {g['new_tokens']} tokens, md5 {g['md5']}, "
@@ -87,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     opts = None
     try:
+        source = getattr(args, "source", "hf")
         opts = resolve(preset=args.preset, model=args.model, dtype=args.dtype, device=args.device,
-                       new_tokens=args.new_tokens, floor_gib=args.floor_gib, source=args.source,
-                       golden=args.golden, seed=args.seed, kernels=args.kernels, expert_dtype=args.expert_dtype,
-                       exact=exact_precision(args.command, args.source))
+                       new_tokens=args.new_tokens, floor_gib=args.floor_gib, source=source,
+                       golden=getattr(args, "golden", None), seed=args.seed, kernels=args.kernels,
+                       expert_dtype=args.expert_dtype, exact=exact_precision(args.command, source))
         limit_cpu_threads(opts)
         if args.command == "gate-a":
             from .gate_a import run_gate_a

@@ -89,12 +89,17 @@ class Divergence:
     verdict: str  # 'near-tie' | 'real'
 
     def explain(self) -> str:
+        """One line: both choices, both margins, each of the near-tie's two conditions and whether it holds (so a
+        `real` says which failed), then both sides' top-5 log-probabilities."""
         r, t = self.ref, self.test
-        tops = (f"each in the other's top-{NEAR_TIE_TOP}" if self.in_each_others_top
-                else f"not each in the other's top-{NEAR_TIE_TOP}")
-        return (f"prompt {self.prompt} step {self.step}: {r.name} chose {r.token} (lp {r.logprob(r.token):.4g}), "
-                f"{t.name} chose {t.token} (lp {t.logprob(t.token):.4g}); margin {self.ref_margin} ({r.name}), "
-                f"{self.test_margin} ({t.name}), eps {self.eps:.3g}; {tops} -> {self.verdict}")
+        small = all(0 <= m.nats < self.eps for m in (self.ref_margin, self.test_margin))
+        yes = lambda ok: "yes" if ok else "no"
+        top = lambda s: ", ".join(f"{i} {lp:.4g}" for i, lp in zip(s.topk_ids[:NEAR_TIE_TOP], s.topk_logprobs))
+        return (f"prompt {self.prompt} step {self.step}: {r.name} chose {r.token}, {t.name} chose {t.token}; "
+                f"margins {self.ref_margin} ({r.token} over {t.token}, {r.name}) and {self.test_margin} "
+                f"({t.token} over {r.token}, {t.name}); near-tie needs each token in the other's top-{NEAR_TIE_TOP} "
+                f"({yes(self.in_each_others_top)}) and both margins in [0, {self.eps:.3g}) ({yes(small)}) "
+                f"-> {self.verdict}; top-{NEAR_TIE_TOP} log-probs {r.name}: {top(r)}; {t.name}: {top(t)}")
 
     def to_dict(self) -> dict:
         d = asdict(self)

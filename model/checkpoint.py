@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import ConfigError, KimiConfig
+from .config import KimiConfig
 
 
 class CheckpointError(ValueError):
@@ -222,14 +222,6 @@ def to_original(internal: Mapping[str, torch.Tensor], cfg: KimiConfig) -> dict[s
 
 # ---- loading -----------------------------------------------------------------------------------------------
 
-def _read_config(path: Path) -> KimiConfig:
-    try:
-        return KimiConfig.from_json(path / "config.json")
-    except ConfigError as e:
-        msg = str(e)
-        raise ConfigError(msg if str(path) in msg else f"{path / 'config.json'}: {msg}") from e
-
-
 def _weight_map(path: Path) -> dict[str, str]:
     """tensor name -> shard file name, from the index, or from the single model.safetensors."""
     index, single = path / INDEX_FILE, path / SINGLE_FILE
@@ -306,22 +298,11 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     preallocated on `device` and filled block by block.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is not a checkpoint directory")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     check_expert_dtype(expert_dtype)
     device = torch.device(device)
-    cfg = _read_config(path)
-    slots, internal_shapes = layout(cfg)
-    weight_map = _weight_map(path)
-    indexed = not (path / SINGLE_FILE).is_file()
-    _check_names(weight_map, slots, f"checkpoint {path}")
-    by_shard: dict[str, list[str]] = {}
-    for n in slots:
-        by_shard.setdefault(weight_map[n], []).append(n)
-    by_shard = dict(sorted(by_shard.items()))
-    _check_shards(path, by_shard, slots, indexed)
+    cfg, (slots, internal_shapes), weight_map, by_shard = _headers(path)
 
     stacked = {s.internal for s in slots.values() if s.index != ()}
     out = {n: torch.empty(shape, dtype=storage_dtype(n, dt, dtype, expert_dtype), device=device)
@@ -343,11 +324,48 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
                     print(f"load_checkpoint {path.name}: {len(loaded) / len(slots):.0%} ({len(loaded):,}/{len(slots):,} "
                           f"tensors) {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
                     next_report += 0.1
-    ok = torch.stack(finite).cpu().tolist()
-    bad = [f"{n} ({weight_map[n]})" for n, good in zip(loaded, ok) if not good]
+    _refuse_nonfinite(path, weight_map, loaded, torch.stack(finite).cpu().tolist())
+    return cfg, {n: out[n] for n in internal_shapes}
+
+
+def check_checkpoint(path: str | Path) -> KimiConfig:
+    """`load_checkpoint`'s checks, keeping no tensor: config, index, shards, names, shapes, dtypes, then every
+    tensor read once (memory-mapped) and held to be finite. For a caller that hands the directory to another
+    loader (HF transformers, whose own checks differ: it loads a missing shard's neighbours, a wrong dtype, a NaN)."""
+    path = Path(path)
+    cfg, _, weight_map, by_shard = _headers(path)
+    names, finite = [], []
+    for shard, shard_names in by_shard.items():
+        with _open(path / shard, "cpu") as f:
+            for n in shard_names:
+                names.append(n)
+                finite.append(bool(torch.isfinite(f.get_tensor(n)).all()))
+    _refuse_nonfinite(path, weight_map, names, finite)
+    return cfg
+
+
+def _headers(path: Path) -> tuple[KimiConfig, tuple, dict[str, str], dict[str, list[str]]]:
+    """The checks that read no weight: the config, the index, every name, shard, shape and dtype. Returns the
+    config, its `layout`, the weight map and the names each shard holds (shards in name order)."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory")
+    cfg = KimiConfig.from_json(path / "config.json")   # its errors name the file
+    shapes = layout(cfg)
+    slots = shapes[0]
+    weight_map = _weight_map(path)
+    _check_names(weight_map, slots, f"checkpoint {path}")
+    by_shard: dict[str, list[str]] = {}
+    for n in slots:
+        by_shard.setdefault(weight_map[n], []).append(n)
+    by_shard = dict(sorted(by_shard.items()))
+    _check_shards(path, by_shard, slots, indexed=not (path / SINGLE_FILE).is_file())
+    return cfg, shapes, weight_map, by_shard
+
+
+def _refuse_nonfinite(path: Path, weight_map: dict[str, str], names: list[str], finite: list[bool]) -> None:
+    bad = [f"{n} ({weight_map[n]})" for n, good in zip(names, finite) if not good]
     if bad:
         raise CheckpointError(f"{len(bad):,} tensors hold NaN or inf in {path}: {_listing(bad)}")
-    return cfg, {n: out[n] for n in internal_shapes}
 
 
 # ---- saving ------------------------------------------------------------------------------------------------

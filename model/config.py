@@ -7,12 +7,59 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
 class ConfigError(ValueError):
     """A config.json that cannot describe a Kimi-Linear model; the message says which field and why."""
+
+
+# Upper bounds on sizes, far past any released model (Kimi-Linear: 256 experts, 27 layers, a 163,840-token
+# vocabulary): a size past them is a typo, and a name list of ten million experts' tensors exhausts memory before
+# the checkpoint check that would refuse it can run.
+MAX_SIZE = 1 << 20
+SIZE_LIMITS = {"num_hidden_layers": 4096, "num_experts": 1 << 16, "num_experts_per_token": 1 << 16,
+               "num_attention_heads": 4096, "kda_num_heads": 4096, "conv_kernel_size": 64, "vocab_size": 1 << 24}
+
+# The JSON types config.json's fields must have (where present): a string where a number belongs, or a null, is
+# refused by name here rather than failing later inside float() or a comparison.
+_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+         "num_key_value_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+         "first_k_dense_replace", "num_experts", "num_experts_per_token", "num_shared_experts",
+         "moe_intermediate_size", "bos_token_id", "pad_token_id", "model_max_length")
+_INTS_OR_NULL = ("q_lora_rank", "num_expert_group", "topk_group")
+_LAC_INTS = ("head_dim", "num_heads", "short_conv_kernel_size")
+_NUMBERS = ("routed_scaling_factor", "rms_norm_eps")
+_BOOLS = ("moe_renormalize", "tie_word_embeddings")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_types(d: dict, lac: dict) -> None:
+    def bad(where: str, v, want: str) -> ConfigError:
+        return ConfigError(f"{where} must be {want}, got {json.dumps(v)}")
+    for k in _INTS:
+        if k in d and not _is_int(d[k]):
+            raise bad(f"config.{k}", d[k], "an integer")
+    for k in _INTS_OR_NULL:
+        if d.get(k) is not None and not _is_int(d[k]):
+            raise bad(f"config.{k}", d[k], "an integer or null")
+    for k in _LAC_INTS:
+        if k in lac and not _is_int(lac[k]):
+            raise bad(f"linear_attn_config.{k}", lac[k], "an integer")
+    for k in _NUMBERS:
+        if k in d and not ((_is_int(d[k]) or isinstance(d[k], float)) and math.isfinite(d[k])):
+            raise bad(f"config.{k}", d[k], "a finite number")
+    for k in _BOOLS:
+        if k in d and not isinstance(d[k], bool):
+            raise bad(f"config.{k}", d[k], "true or false")
+    eos = d.get("eos_token_id", 0)
+    if not (_is_int(eos) or (isinstance(eos, list) and eos and all(_is_int(t) for t in eos))):
+        raise bad("config.eos_token_id", eos, "an integer or a non-empty list of integers")
 
 
 @dataclass(frozen=True)
@@ -96,6 +143,9 @@ class KimiConfig:
                   "num_experts", "num_experts_per_token", "moe_intermediate_size", "intermediate_size"):
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"config.{f} must be a positive integer, got {v!r}")
+            need(v <= SIZE_LIMITS.get(f, MAX_SIZE), f"config.{f} = {v:,} is past any plausible model "
+                 f"(limit {SIZE_LIMITS.get(f, MAX_SIZE):,}): a typo? (a config this size would exhaust memory "
+                 f"before any check of its weights could run)")
         need(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0,
              f"config.qk_rope_head_dim must be an integer >= 0, got {self.qk_rope_head_dim!r}")
         need(self.q_lora_rank is None, f"config.q_lora_rank must be null for Kimi-Linear (plain q_proj), got {self.q_lora_rank!r}")
@@ -145,6 +195,7 @@ class KimiConfig:
         missing = [k for k in required if k not in d]
         if missing:
             raise ConfigError(f"config.json lacks required fields: {', '.join(missing)}")
+        _check_types(d, lac)
         eos = d.get("eos_token_id", 163586)
         if isinstance(eos, list):
             eos = eos[0]
@@ -159,12 +210,12 @@ class KimiConfig:
             kda_layers=tuple(lac["kda_layers"]), full_attn_layers=tuple(lac["full_attn_layers"]),
             first_k_dense_replace=d.get("first_k_dense_replace", 1), num_experts=d["num_experts"],
             num_experts_per_token=d["num_experts_per_token"], num_shared_experts=d.get("num_shared_experts", 1),
-            moe_intermediate_size=d["moe_intermediate_size"], moe_renormalize=bool(d.get("moe_renormalize", True)),
+            moe_intermediate_size=d["moe_intermediate_size"], moe_renormalize=d.get("moe_renormalize", True),
             routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
             num_expert_group=d.get("num_expert_group", 1) or 1, topk_group=d.get("topk_group", 1) or 1,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
             bos_token_id=d.get("bos_token_id", 163584), eos_token_id=eos, pad_token_id=d.get("pad_token_id", 163839),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
             model_max_length=d.get("model_max_length", 1048576), name=name,
         )
         try:
@@ -184,7 +235,10 @@ class KimiConfig:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(d, name=str(path.parent))
+        try:
+            return cls.from_dict(d, name=str(path.parent))
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e      # which file, for every caller
 
     def to_dict(self) -> dict:
         """The original checkpoint's config.json layout (what HF transformers also reads)."""

@@ -10,6 +10,8 @@ report margins at a divergence; `keep_logits` also keeps the full logits rows fo
 """
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass, field
 
 import torch
@@ -46,9 +48,27 @@ def _record(gen: Generation, logits: torch.Tensor, topk: int, keep_logits: bool)
 def _check(model: KimiLinear, prompt, new_tokens: int) -> torch.Tensor:
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
-    ids = torch.as_tensor(list(prompt), dtype=torch.long, device=model.device)[None]
+    ids = torch.as_tensor(prompt_ids(prompt), dtype=torch.long, device=model.device)[None]
     model.check_ids(ids)
     return ids
+
+
+def prompt_ids(prompt) -> list[int]:
+    """A prompt of token ids (a sequence of ints, or a 1-D integer tensor) as a list; anything else refused by
+    name, not cast: a float id is no id (1.7 would have become 1), a bool no token, text not yet tokenised."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise TypeError(f"token ids must be integers, got a {prompt.dtype} tensor")
+        if prompt.dim() != 1:
+            raise ValueError(f"a prompt is one sequence of token ids (1-D), got shape {tuple(prompt.shape)}")
+        return prompt.tolist()
+    if isinstance(prompt, (str, bytes)):
+        raise TypeError("a prompt is token ids, got text: tokenise it first (gates/tokenizer.py)")
+    ids = list(prompt)
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"token ids must be integers, got {t!r} at position {i}")
+    return [int(t) for t in ids]
 
 
 @torch.no_grad()

@@ -94,6 +94,8 @@ class KimiLinear(nn.Module):
         device, so the step can be captured in a CUDA graph; `cache.length` is the host's copy of it."""
         if cache.length >= cache.max_len:
             raise ValueError(f"decode cache is full ({cache.max_len} positions)")
+        if tokens.device.type == "cpu":   # checked where it costs no device sync (on CUDA the embedding asserts)
+            self.check_ids(tokens)
         h, res = self.model.embed_tokens(tokens), None
         for layer, cl in zip(self.model.layers, cache.layers):
             h, res = layer.decode(h, res, cl, cache.pos)

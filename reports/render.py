@@ -13,6 +13,7 @@ import argparse
 import html
 import json
 import re
+import sys
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -801,6 +802,10 @@ def render(records_root=None, out: str | Path = "reports") -> list[Section]:
               + f"); {len(loaded.problems)} unreadable line(s).")
     (out / "index.html").write_text(to_html(sections, header))
     (out / "SUMMARY.md").write_text(to_markdown(sections, header))
+    if loaded.problems:   # said where the one who ran this looks, not only inside the report
+        print(f"warning: {len(loaded.problems)} record line(s) could not be read and are left out of the report "
+              f"(its first section lists them): {'; '.join(loaded.problems[:3])}"
+              + (" ..." if len(loaded.problems) > 3 else ""), file=sys.stderr)
     return sections
 
 

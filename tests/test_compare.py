@@ -25,9 +25,11 @@ def test_near_tie_when_both_margins_small_and_each_in_the_others_top5():
     d = diagnose(3, 7, ref, test, eps=0.05)
     assert d.verdict == "near-tie" and d.in_each_others_top
     assert d.ref_margin == Margin(pytest.approx(0.02), False) and d.test_margin == Margin(pytest.approx(0.015), False)
-    assert d.explain() == ("prompt 3 step 7: recompute chose 1234 (lp -0.51), incremental chose 877 (lp -0.52); "
-                           "margin 0.02 nats (recompute), 0.015 nats (incremental), eps 0.05; "
-                           "each in the other's top-5 -> near-tie")
+    assert d.explain() == ("prompt 3 step 7: recompute chose 1234, incremental chose 877; margins 0.02 nats "
+                           "(1234 over 877, recompute) and 0.015 nats (877 over 1234, incremental); near-tie needs "
+                           "each token in the other's top-5 (yes) and both margins in [0, 0.05) (yes) -> near-tie; "
+                           "top-5 log-probs recompute: 1234 -0.51, 877 -0.53, 5 -3, 6 -4, 7 -5; "
+                           "incremental: 877 -0.52, 1234 -0.535, 5 -3, 6 -4, 7 -5")
 
 
 @pytest.mark.parametrize("case", ["margin above eps", "margin equals eps", "outside top-5", "outside top-k",
@@ -51,11 +53,14 @@ def test_real_divergences(case):
         test_ids, test_lps = [877, 1234] + IDS[2:], lps(-0.53, -0.52)
     d = diagnose(0, 4, ref, Side("incremental", 877, test_ids, test_lps), eps=eps)
     assert d.verdict == "real", d.explain()
-    assert d.explain().endswith("-> real")
+    assert "-> real;" in d.explain()
+    # the line says which of the two conditions failed
+    top5 = case in ("outside top-5", "outside top-k")
+    assert f"in the other's top-5 ({'no' if top5 else 'yes'})" in d.explain()
+    assert f"both margins in [0, {eps:.3g}) ({'yes' if top5 and case != 'outside top-k' else 'no'})" in d.explain()
     if case == "outside top-k":
         assert d.test_margin.lower_bound and str(d.test_margin).startswith(">= ")
         assert d.test_margin.nats == pytest.approx(test_lps[0] - test_lps[-1])
-        assert "not each in the other's top-5" in d.explain()
 
 
 def test_diagnose_rejects_bad_input():

@@ -175,6 +175,26 @@ def test_cli_gate_b_fails_on_a_perturbed_golden(tmp_path):
     assert d["ref"]["token"] == d["test"]["topk_ids"][1] and d["test"]["token"] == d["ref"]["topk_ids"][1]
 
 
+def test_cli_golden_from_hf_holds_the_checkpoint_to_our_checks(tmp_path):
+    """On a CPU HF transformers loads `--model` itself; it would take an fp32 A_log stored as bf16 (and a NaN, and
+    a directory short of a shard it does not ask for). The golden command refuses it as Gate A would: exit 2, the
+    tensor named, no golden written, no record."""
+    from model.checkpoint import save_checkpoint
+    from model.config import PRESETS
+    from model.weights import synthetic_weights
+    from tests.test_weights import rewrite
+
+    tiny = PRESETS["tiny"]
+    path = save_checkpoint(synthetic_weights(tiny, seed=1, dtype=torch.bfloat16), tiny, tmp_path / "ckpt",
+                           max_shard_bytes=100_000)
+    rewrite(path, "model.layers.3.self_attn.A_log", lambda t: t.to(torch.bfloat16))
+    out = cli("golden", "--source", "hf", "--model", str(path), "--device", "cpu", "--golden", str(tmp_path / "g.json"),
+              records=tmp_path / "rec")
+    assert out.returncode == EXIT_REFUSED, out.stderr[-2000:]
+    assert "model.layers.3.self_attn.A_log" in out.stderr and "expected dtype F32, got BF16" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "g.json").exists() and not (tmp_path / "rec").exists()
+
+
 def test_golden_md5_is_int32_little_endian():
     ids = [[1, 2, 3], [256, -1, 2**31 - 1]]
     by_hand = bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 0, 1, 0, 0, 255, 255, 255, 255, 255, 255, 255, 127])
@@ -294,6 +314,12 @@ def test_cli_bad_input_exits_2(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:  # argparse: unknown choices
         main(["gate-a", "--dtype", "fp8"])
     assert e.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
+    # a flag the command does not read is refused, not ignored
+    for argv in (["gate-a", "--golden", "g.json"], ["gate-a", "--source", "self"], ["gate-b", "--source", "self"],
+                 ["gate-memory", "--golden", "g.json"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "unrecognized arguments: " + " ".join(argv[1:]) in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command, kind, where", [("gate-a", "gate_a", "gates.gate_a.load_subject"),

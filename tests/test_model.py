@@ -150,12 +150,33 @@ def test_fp64_and_bf16_run():
     ([], ValueError, "empty prompt"),
     ([1, 2, CFG.vocab_size], ValueError, "outside the vocabulary"),
     ([-1, 2], ValueError, "outside the vocabulary"),
+    ([500, 1.7, 2.2], TypeError, r"token ids must be integers, got 1\.7 at position 1"),    # not cast to [500, 1, 2]
+    ([True, False], TypeError, "token ids must be integers, got True at position 0"),
+    ("hello", TypeError, "got text: tokenise it first"),
+    ([[1, 2], [3, 4]], TypeError, r"got \[1, 2\] at position 0"),
+    (torch.tensor([1.0, 2.0]), TypeError, "got a torch.float32 tensor"),
+    (torch.tensor([[1, 2]]), ValueError, r"one sequence of token ids \(1-D\), got shape \(1, 2\)"),
 ])
 def test_bad_prompts_get_clear_errors(tiny, bad, err, match):
     with pytest.raises(err, match=match):
         generate_incremental(tiny, bad, 2)
     with pytest.raises(err, match=match):
         generate_recompute(tiny, bad, 2)
+
+
+def test_a_prompt_may_be_any_integer_sequence(tiny):
+    import numpy as np
+    want = generate_incremental(tiny, [5, 6, 7], 2).tokens
+    for same in ((5, 6, 7), np.array([5, 6, 7]), torch.tensor([5, 6, 7], dtype=torch.int32)):
+        assert generate_incremental(tiny, same, 2).tokens == want
+
+
+def test_decode_step_refuses_an_id_outside_the_vocabulary(tiny):
+    cache = tiny.new_cache(1, 4)
+    tiny.prefill(torch.tensor([[1, 2]]), cache)
+    with pytest.raises(ValueError, match=rf"token id {CFG.vocab_size} lies outside the vocabulary"):
+        tiny.decode_step(torch.tensor([CFG.vocab_size]), cache)
+    assert cache.length == 2    # refused before anything moved
 
 
 def test_cache_overflow_is_refused(tiny):

@@ -172,6 +172,12 @@ def test_torn_line_is_shown_at_the_top(report):
     assert summary.index("torn or invalid JSON line") < summary.index("Speed against context length")
 
 
+def test_torn_line_is_said_on_stderr_too(tmp_path, capsys):
+    render.main(["--records", str(RECORDS), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "warning: 1 record line(s) could not be read" in err and "bench.jsonl" in err and "torn" in err
+
+
 def test_seed_bar_is_labelled_and_cites_the_seed_document(report):
     _, sections, page, _ = report
     decomp = next(s for s in sections if s.title == "Decode time decomposition")

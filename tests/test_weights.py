@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, strategies as st
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import (FP32_HELD, CheckpointError, INDEX_FILE, internal_names, load_checkpoint, original_names,
-                              save_checkpoint, to_internal, to_original)
+from model.checkpoint import (FP32_HELD, CheckpointError, INDEX_FILE, check_checkpoint, internal_names, load_checkpoint,
+                              original_names, save_checkpoint, to_internal, to_original)
 from model.config import PRESETS, ConfigError
 from model.weights import fingerprint, synthetic_tensor, synthetic_weights
 
@@ -340,70 +340,77 @@ def test_save_refuses_a_directory_holding_a_checkpoint(ckpt):
 
 # ---- loader errors: each names the offending file or tensor --------------------------------------------------
 
-def test_missing_shard(ckpt):
+@pytest.fixture(params=["load_checkpoint", "check_checkpoint"])
+def load(request):
+    """Both entry points refuse a bad checkpoint alike: the loader, and the check a caller runs before handing the
+    directory to HF transformers (`golden --source hf --model` on a CPU)."""
+    return {"load_checkpoint": load_checkpoint, "check_checkpoint": check_checkpoint}[request.param]
+
+
+def test_missing_shard(ckpt, load):
     path, _ = ckpt
     shard = shard_of(path, "model.layers.2.block_sparse_moe.experts.5.w2.weight")
     held = [n for n in original_names(TINY) if shard_of(path, n) == shard]
     (path / shard).unlink()
     with pytest.raises(CheckpointError, match=rf"missing shard file\(s\) in .*: {shard} \(should hold {len(held)} tensors: {held[0]}, "):
-        load_checkpoint(path)
+        load(path)
 
 
-def test_wrong_shape(ckpt):
+def test_wrong_shape(ckpt, load):
     path, _ = ckpt
     name = "model.layers.1.self_attn.k_proj.weight"
     rewrite(path, name, lambda t: t[:-1].clone())
     with pytest.raises(CheckpointError, match=rf"{name} \(model-\d+-of-\d+\.safetensors\): expected shape \[64, 64\], got \[63, 64\]"):
-        load_checkpoint(path)
+        load(path)
 
 
-def test_wrong_dtype(ckpt):
+def test_wrong_dtype(ckpt, load):
     path, _ = ckpt
     name = "model.layers.3.self_attn.A_log"
     rewrite(path, name, lambda t: t.to(torch.bfloat16))
     with pytest.raises(CheckpointError, match=rf"{name} \(.*\): expected dtype F32, got BF16"):
-        load_checkpoint(path)
+        load(path)
 
 
-def test_extra_tensor(ckpt):
+def test_extra_tensor(ckpt, load):
     path, _ = ckpt
     extra = "model.layers.1.block_sparse_moe.experts.8.w1.weight"  # tiny has experts 0..7
     index = json.loads((path / INDEX_FILE).read_text())
     index["weight_map"][extra] = shard_of(path, "model.norm.weight")
     (path / INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=rf"1 unexpected tensors: {extra}"):
-        load_checkpoint(path)
+        load(path)
 
 
-def test_tensor_in_shard_but_not_in_index(ckpt):
+def test_tensor_in_shard_but_not_in_index(ckpt, load):
     path, _ = ckpt
     file = path / shard_of(path, "model.norm.weight")
     tensors = load_file(file) | {"model.layers.0.surprise.weight": torch.zeros(2, dtype=torch.bfloat16)}
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"{file.name} holds 1 tensors that .* does not list: model.layers.0.surprise"):
-        load_checkpoint(path)
+        load(path)
 
 
-def test_missing_tensor(ckpt):
+def test_missing_tensor(ckpt, load):
     path, _ = ckpt
     name = "model.layers.0.mlp.down_proj.weight"
     index = json.loads((path / INDEX_FILE).read_text())
     del index["weight_map"][name]
     (path / INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=rf"1 tensors missing: {name}"):
-        load_checkpoint(path)
+        load(path)
 
 
-def test_index_points_at_a_tensor_the_shard_lacks(ckpt):
+def test_index_points_at_a_tensor_the_shard_lacks(ckpt, load):
     path, _ = ckpt
     name = "model.layers.3.self_attn.o_norm.weight"
     shard = shard_of(path, name)
     rewrite(path, name, lambda t: None)
     with pytest.raises(CheckpointError, match=rf"maps 1 tensors to {shard}, which does not hold them: {name}"):
-        load_checkpoint(path)
+        load(path)
 
 
-def test_nan_weights(ckpt):
+def test_nan_weights(ckpt, load):
     path, _ = ckpt
     name = "model.layers.1.block_sparse_moe.experts.6.w3.weight"
 
@@ -413,16 +420,16 @@ def test_nan_weights(ckpt):
         return t
     rewrite(path, name, poison)
     with pytest.raises(CheckpointError, match=rf"1 tensors hold NaN or inf .*: {name} \(model-"):
-        load_checkpoint(path)
+        load(path)
 
 
-def test_index_naming_a_shard_outside_the_directory(ckpt):
+def test_index_naming_a_shard_outside_the_directory(ckpt, load):
     path, _ = ckpt
     index = json.loads((path / INDEX_FILE).read_text())
     index["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
     (path / INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"shards outside the checkpoint directory: \.\./elsewhere"):
-        load_checkpoint(path)
+        load(path)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -432,14 +439,29 @@ def test_index_naming_a_shard_outside_the_directory(ckpt):
      r"config\.json: .*\[4\] \(1-based\) are in neither kda_layers nor full_attn_layers"),
     (lambda text, d: json.dumps(d | {"linear_attn_config": d["linear_attn_config"] | {"kda_layers": [1, 2, 3, 4]}}),
      r"config\.json: layers \[3\] are listed both as kda_layers and full_attn_layers"),
+    # a wrong JSON type is refused by name, before float() or a comparison could raise something unnamed
+    (lambda text, d: json.dumps(d | {"rms_norm_eps": None}), r"config\.json: config\.rms_norm_eps must be a finite "
+                                                             r"number, got null"),
+    (lambda text, d: json.dumps(d | {"routed_scaling_factor": "abc"}), r"config\.routed_scaling_factor must be a "
+                                                                      r"finite number, got \"abc\""),
+    (lambda text, d: json.dumps(d | {"first_k_dense_replace": "1"}), r"config\.first_k_dense_replace must be an "
+                                                                    r"integer, got \"1\""),
+    (lambda text, d: json.dumps(d | {"hidden_size": 64.0}), r"config\.hidden_size must be an integer, got 64\.0"),
+    (lambda text, d: json.dumps(d | {"tie_word_embeddings": "false"}), r"tie_word_embeddings must be true or false"),
+    (lambda text, d: json.dumps(d | {"eos_token_id": []}), r"eos_token_id must be an integer or a non-empty list"),
+    (lambda text, d: json.dumps(d | {"linear_attn_config": d["linear_attn_config"] | {"head_dim": None}}),
+     r"linear_attn_config\.head_dim must be an integer, got null"),
+    # a size past any model: refused at once (ten million experts' tensor names would fill the memory first)
+    (lambda text, d: json.dumps(d | {"num_experts": 10 ** 7}), r"config\.num_experts = 10,000,000 is past any "
+                                                               r"plausible model \(limit 65,536\)"),
 ])
-def test_bad_config(ckpt, edit, message):
+def test_bad_config(ckpt, edit, message, load):
     path, _ = ckpt
     file = path / "config.json"
     text = file.read_text()
     file.write_text(edit(text, json.loads(text)))
     with pytest.raises(ConfigError, match=message):
-        load_checkpoint(path)
+        load(path)
 
 
 def test_auto_map_code_is_never_run(ckpt, tmp_path):
