@@ -1,7 +1,8 @@
 # Kimi-Linear gating suite. `make gate-a gate-b` is the main job; `make test` the tests.
 # Python: if the machine's python3 already has the stack (the H200 image: torch, triton, transformers,
 # pandas, pytest, ...) it is used as it is, with no install and no network. Otherwise a virtualenv in
-# .venv is made on first use (CPU torch 2.13.0 from the local wheel, then the project with test extras).
+# .venv is made on first use (torch 2.13.0 from pip: the CPU build where pip is pointed at one, as on the dev
+# and CI machines; then the project with test extras).
 SHELL := /bin/bash
 VENV ?= .venv
 SYS_READY := $(shell python3 -c "import torch, triton, safetensors, pandas, matplotlib, scipy, pytest, hypothesis, transformers, tiktoken" >/dev/null 2>&1 && echo yes)
@@ -15,7 +16,8 @@ endif
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 export PYTHONUNBUFFERED := 1
 
-# Gate/benchmark knobs (empty = the CLI's own default: tiny on a CPU, 48b-a3b on a GPU that fits it).
+# Gate/benchmark knobs (empty = the CLI's own default: tiny on a CPU; on a GPU 48b-a3b, the gates only where it
+# fits with the floor).
 PRESET ?=
 MODEL ?=
 DTYPE ?=

@@ -4,9 +4,9 @@ Flags only: this CLI reads no environment variables (the Makefile maps PRESET, M
 DEVICE, NEW_TOKENS, FLOOR_GIB, SOURCE, GOLDEN to the flags of the same meaning). Defaults: see gates/run.py.
 Records go to records/<kind>.jsonl (records/store.py decides where; KIMI_RECORDS_DIR moves them).
 
-Exit codes: 0 the gate holds (or the memory gate SKIPs: no GPU); 1 it fails; 2 it could not judge
-(refused by the memory floor, a golden for other weights/prompts, bad arguments or input, or a crash inside
-the gate, which is still recorded, INVALID, with the exception).
+Exit codes: 0 the gate holds (or the memory gate SKIPs: no GPU; or the golden is written); 1 it fails; 2 it
+could not judge (refused by the memory floor, a golden for other weights/prompts, bad arguments or input, or a
+crash, its traceback printed; a gate's crash is still recorded, INVALID, with the exception).
 """
 from __future__ import annotations
 
@@ -37,9 +37,11 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--preset", choices=sorted(PRESETS), help="synthetic-weights model (default: see gates/run.py)")
     common.add_argument("--model", metavar="DIR", help="original-format checkpoint directory (instead of --preset)")
     common.add_argument("--dtype", choices=list(DTYPES),
-                        help="default fp32 on a CPU; bf16 on CUDA, but fp32 with bf16 experts for gate-a (gates/run.py)")
+                        help="default fp32 on a CPU; bf16 on CUDA, but fp32 with bf16 experts for gate-a, gate-b and "
+                             "golden --source self (gates/run.py)")
     common.add_argument("--expert-dtype", choices=list(DTYPES),
-                        help="hold the routed experts in this dtype (default: the model's; bf16 for gate-a on CUDA)")
+                        help="hold the routed experts in this dtype (default: the model's; on CUDA bf16 for gate-a, "
+                             "gate-b and golden --source self)")
     common.add_argument("--device", choices=DEVICES, help="default cuda when available")
     common.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, help="greedy tokens per prompt (16)")
     common.add_argument("--floor-gib", type=float, default=DEFAULT_FLOOR_GIB, help="free device memory to keep (15)")
@@ -114,11 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except Exception as e:
-        if opts is None or args.command not in RECORD_KINDS:
-            raise
         traceback.print_exc()
-        why = f"crashed: {type(e).__name__}: {e}"
-        refused(RECORD_KINDS[args.command], opts, why[:CRASH_MESSAGE_CHARS])
+        if opts is not None and args.command in RECORD_KINDS:   # the golden command makes no record to leave
+            why = f"crashed: {type(e).__name__}: {e}"
+            refused(RECORD_KINDS[args.command], opts, why[:CRASH_MESSAGE_CHARS])
         return EXIT_REFUSED
 
 

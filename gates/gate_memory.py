@@ -1,6 +1,8 @@
 """The memory gate: project, refuse under the floor, run under the sampler, audit the measured peak.
 
-1. Project the peak of Gate A's workload (the battery on both paths, batch 1) with `project_peak`.
+1. Project the peak of the gates' workload (the battery on both paths, batch 1) at this run's precision (its
+   own default: bf16 on CUDA; `--dtype fp32 --expert-dtype bf16` is Gate A's) with `project_peak`. Gate A and
+   Gate B guard their own runs with the same floor (`gates.run.floor_guard`).
 2. Read free device memory (NVML). No reading (no GPU, or `--device cpu`): SKIP, with the reason; exit 0,
    never PASS. Projected peak leaving less than the floor free: REFUSED, nothing is loaded.
 3. Load and run the battery on both paths under a `FloorSampler`; its `check()` runs every step, so a

@@ -26,8 +26,8 @@ DEFAULT_FLOOR_BYTES = 15 * GiB  # the seed's floor
 # torch, cuBLAS and Triton modules), cuBLAS/cuBLASLt workspaces, and caching-allocator rounding. NVML sees
 # all of it, torch.cuda.max_memory_allocated none of it, so the projection must carry it.
 CUDA_CONTEXT_BYTES = 3 * GiB // 2
-# the longest chunk the chunked KDA prefill takes (kda_chunk.CONFIG: 16 to 64, default 32): an upper bound of its
-# intra-chunk matrices, [chunk, chunk] per head
+# the longest chunk the chunked KDA prefill takes (kda_chunk.py's configs: 16 by default, 32 for fp32 inputs,
+# up to 64 in its sweeps): an upper bound of its intra-chunk matrices, [chunk, chunk] per head
 KDA_CHUNK = 64
 
 

@@ -106,7 +106,8 @@ def context_len(b: Battery, new_tokens: int) -> int:
 def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT_NEW_TOKENS,
             floor_gib=DEFAULT_FLOOR_GIB, source="hf", golden=None, seed=0, kernels="auto", expert_dtype=None,
             exact: bool = False, reader: Callable[[], MemReading | None] = read_device_memory, log=print) -> Options:
-    """Fill in the defaults (module docstring; `exact`: Gate A's) and refuse impossible combinations."""
+    """Fill in the defaults (module docstring; `exact`: the token-exact commands', gates.__main__.EXACT_COMMANDS)
+    and refuse impossible combinations."""
     if preset is not None and model is not None:
         raise ValueError("give --preset or --model, not both")
     if model is not None and not Path(model).is_dir():

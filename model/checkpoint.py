@@ -292,8 +292,9 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     name, shape and dtype is held against `original_names(cfg)`; after loading, every tensor must be finite.
     Anything wrong raises `CheckpointError` (a bad config.json: `ConfigError`) naming the file and tensors.
 
-    Floats are cast to `dtype`, except A_log, dt_bias and e_score_correction_bias, which stay fp32, and the
-    routed experts, which go to `expert_dtype` when given (`storage_dtype`). Tensors
+    Floats are cast to `dtype`, except A_log, dt_bias and e_score_correction_bias, which stay fp32, the router
+    weight, which stays fp32 under a narrower `dtype`, and the routed experts, which go to `expert_dtype` when
+    given (`storage_dtype`). Tensors
     go to `device` one at a time (no host copy of the whole model); expert stacks and the q|k|v conv are
     preallocated on `device` and filled block by block.
     """

@@ -2,8 +2,9 @@
 
 Parameter names match HF transformers' KimiLinearForCausalLM, so one state dict serves both (the HF peer
 shares our tensors instead of copying 91 GiB). The math is SPEC.md §1. Each attention block has two entry
-points: `forward(x, cache_layer, start)` for a span of tokens (the whole sequence when recomputing, the
-prompt when prefilling) and `decode(x, cache_layer, pos)` for one token a step from carried state.
+points: `forward` for a span of tokens (the whole sequence when recomputing, the prompt when prefilling; MLA
+also takes the span's `start`) and `decode` for one token a step from carried state (MLA also takes the
+position `pos`, a device scalar; KDA's state carries no position).
 Where a fast kernel exists the choice is made in `model.ops`, never here.
 """
 from __future__ import annotations

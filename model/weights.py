@@ -159,8 +159,9 @@ def synthetic_weights(cfg: KimiConfig, seed: int = 0, device: str | torch.device
                       dtype: torch.dtype = torch.float32,
                       expert_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Deterministic random weights as an internal state dict; A_log, dt_bias, e_score_correction_bias in
-    fp32, the routed experts in `expert_dtype` when given, everything else in `dtype`. See the module docstring
-    for scales and determinism."""
+    fp32, the router weight in fp32 under a narrower `dtype`, the routed experts in `expert_dtype` when given,
+    everything else in `dtype` (`checkpoint.storage_dtype`). See the module docstring for scales and
+    determinism."""
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     check_expert_dtype(expert_dtype)

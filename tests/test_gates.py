@@ -338,6 +338,18 @@ def test_a_gate_that_crashes_still_leaves_a_record(tmp_path, monkeypatch, capsys
     assert rec["reasons"] == ["refused: crashed: RuntimeError: kernel failed to compile"]
 
 
+def test_a_golden_that_crashes_exits_2_with_its_traceback(tmp_path, monkeypatch, capsys):
+    """Not 1, which means a gate failed; no record (a golden run makes none), no golden file."""
+    def boom(opts, subject):
+        raise RuntimeError("HF generate failed")
+    monkeypatch.setattr("gates.__main__.make_golden", boom)
+    monkeypatch.setenv("KIMI_RECORDS_DIR", str(tmp_path))
+    out = tmp_path / "g.json"
+    assert main(["golden", "--preset", "tiny", "--device", "cpu", "--golden", str(out)]) == EXIT_REFUSED
+    assert "RuntimeError: HF generate failed" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob("*.jsonl"))
+
+
 def test_gates_reject_empty_and_out_of_vocab_prompts(subject):
     from model.generate import generate_incremental, generate_recompute
     for gen in (generate_recompute, generate_incremental):
