@@ -175,6 +175,39 @@ def swapped(module: str, rev: str):
 
 
 @contextlib.contextmanager
+def counting_calls(module: str):
+    """Inside the block, the public functions of today's `module` (`config_module`) count their calls into the
+    dict it yields (`model.ops` looks each entry point up when it calls it, so the count sees every call)."""
+    mod = importlib.import_module(config_module(module))
+    reached = {"calls": 0}
+    saved = {k: v for k, v in vars(mod).items()
+             if inspect.isfunction(v) and v.__module__ == mod.__name__ and not k.startswith("_")}
+    for k, v in saved.items():
+        setattr(mod, k, _counted(v, reached))
+    try:
+        yield reached
+    finally:
+        for k, v in saved.items():
+            setattr(mod, k, v)
+
+
+def calls_during(module: str, changes: dict, run) -> int | None:
+    """How many calls `run()` makes into the arm's kernel module: the module as it was at a code arm's revision,
+    or today's `model.triton` module of a config arm; None for a config arm of another module (its CONFIG is read
+    by code this count cannot see, e.g. `benchmarks.timing`)."""
+    if is_code(changes):
+        before = code_calls(module, changes[CODE])
+        run()
+        return code_calls(module, changes[CODE]) - before
+    if "." in module:
+        run()
+        return None
+    with counting_calls(module) as reached:
+        run()
+    return reached["calls"]
+
+
+@contextlib.contextmanager
 def applied(module: str, changes: dict):
     """`model.triton.<module>.CONFIG` with `changes` inside the block (`changed_config`), restored after it; for a
     code arm ({"@": rev}), the module as it was at rev (`swapped`)."""
@@ -235,15 +268,17 @@ def ab_case(model, T: int, variants: list[tuple[str, str, dict]], rounds: int, d
         out[name]["logits"] = prefill.logits.float().cpu()
         return s.samples_ms[0], s.clocks, (s.host_ms or [None])[0]
 
-    for arm in arms:  # untimed: compilation
+    for arm in arms:  # untimed: compilation; and an arm no call reaches would time the defaults twice
         name, module, changes = arm
-        code = bool(module) and is_code(changes)
-        before = code_calls(module, changes[CODE]) if code else 0
-        call(arm)
-        if code and code_calls(module, changes[CODE]) == before:
-            raise RuntimeError(f"variant {name}: no call of the prefill reached {module} as it was at "
-                               f"{changes[CODE][:12]} (the model calls it through model.ops only where the kernels "
-                               f"are Triton's: KIMI_KERNELS, and the device)")
+        if not module:
+            call(arm)
+            continue
+        if calls_during(module, changes, lambda: call(arm)) == 0:
+            at = f" as it was at {changes[CODE][:12]}" if is_code(changes) else ""
+            raise Unreached(f"variant {name}: no call of the prefill reached {config_module(module)}{at}, so the arm "
+                            f"would run the defaults' code (the model calls a kernel module through model.ops only "
+                            f"where the kernels are Triton's: on CUDA, or KIMI_KERNELS=triton under "
+                            f"TRITON_INTERPRET=1; and only where the prefill uses it)")
     for r in range(rounds):
         k = r % len(arms)
         for arm in arms[k:] + arms[:k]:
@@ -256,6 +291,10 @@ def ab_case(model, T: int, variants: list[tuple[str, str, dict]], rounds: int, d
         log(f"  T={T} round {r + 1}/{rounds}: " + ", ".join(f"{n} {v['samples'][-1]:.1f} ms" for n, v in out.items()))
     prefill.drop()
     return out
+
+
+class Unreached(RuntimeError):
+    """An arm whose kernel module no call of the prefill reached."""
 
 
 def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) -> list[dict]:
@@ -271,7 +310,8 @@ def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) 
                    "peer_ms": summarize(base["samples"])["median_ms"], "samples_ms": v["samples"],
                    "peer_samples_ms": base["samples"], "paired_ratio_median": statistics.median(ratios),
                    "paired_ratio_min": min(ratios), "paired_ratio_max": max(ratios),
-                   "timing": "CUDA events, a whole prefill from an idle device, fresh cache; rounds interleaved",
+                   "timing": ("CUDA events, a whole prefill from an idle device" if device_name != "cpu" else
+                              "host clock, a whole prefill") + ", fresh cache; rounds interleaved",
                    **cmp}
         results["speedup"] = results["peer_ms"] / results["ours_ms"]
         for side, arm in (("ours", v), ("peer", base)):
@@ -302,7 +342,7 @@ def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) 
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_ab", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_ab", description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", type=parse_variant, action="append", required=True, help="NAME=MODULE:JSON")
     ap.add_argument("--prefill", type=ints, default=[8192], help="prompt lengths")
     ap.add_argument("--rounds", type=int, default=8)
@@ -316,6 +356,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error(f"variant names must be distinct and not 'defaults': {names}")
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here (an A/B of kernel configs times Triton's kernels, "
+                 f"which run on CUDA)")
     variants = []
     for name, module, changes in args.variant:  # a typo fails here, before the model is built
         try:
@@ -324,7 +367,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             else:
                 changed_config(module, changes)
         except (KeyError, ImportError, ValueError) as e:
-            ap.error(str(e))
+            ap.error(e.args[0] if isinstance(e, KeyError) and e.args else str(e))
         variants.append((name, module, changes))
     from model.build import load_model
     loaded = load_model(args.preset, device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed)
@@ -334,7 +377,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else args.device
     recs = []
     for T in args.prefill:
-        out = ab_case(loaded.model, T, variants, args.rounds, args.device, args.seed)
+        try:
+            out = ab_case(loaded.model, T, variants, args.rounds, args.device, args.seed)
+        except Unreached as e:
+            ap.error(str(e))
         recs += ab_records(desc, T, variants, out, device_name)
     return recs
 

@@ -84,6 +84,10 @@ class Settings:
     ceiling_reps: int = 20
 
 
+# A CPU run's records carry no roofline: its read "ceiling" of a few MiB moved from 2 to 39 GB/s between five runs
+# on one machine (a cache, not DRAM), and the prefill's is a bf16 matmul rate set beside an fp32 model.
+CPU_ROOFLINE_NOTE = "no roofline on a CPU: the ceilings are measured (hbm_gbps, matmul_tflops) but describe caches"
+
 QUICK = dict(preset="tiny", device="cpu", dtype="float32", contexts=(16, 48), prefill=(16, 48), decode_tokens=4,
              warmup_steps=1, prefill_chunk=32, prefill_reps=2, recompute_context=16, recompute_steps=2,
              peers=("hf",), peer_decode_tokens=3, peer_prefill_reps=1, budget_s=120.0, spot_prompt=8,
@@ -575,8 +579,10 @@ class Bench:
         else:
             roof = roofline.prefill_roofline_tok_s(cfg, T, self.ceil.matmul_tflops)
             work = {"flops_per_token": roofline.prefill_flops_per_token(cfg, T)}
+        if s.device == "cpu":   # no roofline: a smoke run's ceilings (16 MiB read, 128^3 matmul) measure caches
+            roof, work["roofline_note"] = None, CPU_ROOFLINE_NOTE
         results = {"tok_s": ours.tok_s, "peer": peer, "peer_tok_s": None, "speedup_vs_peer": None,
-                   "roofline_tok_s": roof, "roofline_fraction": ours.tok_s / roof if ours.tok_s else None,
+                   "roofline_tok_s": roof, "roofline_fraction": ours.tok_s / roof if ours.tok_s and roof else None,
                    "hbm_gbps": self.ceil.hbm_gbps, "matmul_tflops": self.ceil.matmul_tflops,
                    "host_launch_us": self.ceil.launch_us, "host_kernel_launch_us": self.ceil.kernel_launch_us, **work,
                    "samples_ms": ours.samples.samples_ms if ours.samples else [], **ours.extra}
@@ -623,9 +629,10 @@ class Bench:
                 return "-" if x is None else format(x, spec)
 
             print(f"{p['phase']:8} {p['context']:>8} {p['impl']:11} {f(q['tok_s'], ',.1f'):>10} "
-                  f"{f(q['roofline_fraction'], '.1%'):>9} {str(p['peer']):7} {f(q['peer_tok_s'], ',.1f'):>10} "
+                  f"{f(q['roofline_fraction'], '.1%'):>9} {p['peer'] or '-':7} {f(q['peer_tok_s'], ',.1f'):>10} "
                   f"{f(q['speedup_vs_peer'], '.1f'):>8}  {r['verdict']}"
-                  + (f" ({'; '.join(x[:120] for x in r['reasons'])})" if r["reasons"] else ""), flush=True)
+                  + (f" ({'note: ' if r['verdict'] == 'VALID' else ''}{'; '.join(x[:120] for x in r['reasons'])})"
+                     if r["reasons"] else ""), flush=True)
 
 
 # ---- command line ----------------------------------------------------------------------------------
@@ -639,7 +646,7 @@ def _peers(text: str) -> tuple[str, ...]:
 
 
 def settings(argv: list[str] | None = None) -> Settings:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_e2e", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_e2e", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny preset on the CPU, small everything (smoke test)")
     ap.add_argument("--preset")
     ap.add_argument("--device")
@@ -662,11 +669,21 @@ def settings(argv: list[str] | None = None) -> Settings:
         ap.error("no CUDA device here: use --quick for the CPU smoke run, or --device cpu with a small --preset")
     given = {k: v for k, v in vars(a).items() if v is not None and k != "quick" and v is not False}
     s = replace(base, **given)
+    if s.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {s.device}: no CUDA device here")
+    from model.config import PRESETS
+    if s.preset not in PRESETS:
+        ap.error(f"--preset {s.preset!r}: no such preset; presets: {', '.join(PRESETS)}")
     for name in ("decode_tokens", "prefill_chunk", "peer_decode_tokens", "recompute_context"):
         if getattr(s, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if s.recompute_steps < 0:
         ap.error("--recompute-steps must be >= 0")
+    for name in ("budget_s", "peer_max_s"):
+        if not getattr(s, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0 seconds")
+    if not (s.contexts or s.prefill or s.recompute_steps):
+        ap.error("nothing to measure: --contexts and --prefill name no length and --recompute-steps is 0")
     return s
 
 

@@ -86,7 +86,7 @@ def energy_record(desc: dict, T: int, rnd: int, ours: dict, peer: dict, idle: di
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_energy", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_energy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", type=ints, default=[8192], help="prompt lengths")
     ap.add_argument("--seconds", type=float, default=4.0, help="sustained run per side and round")
     ap.add_argument("--rounds", type=int, default=2)

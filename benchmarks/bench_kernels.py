@@ -1168,7 +1168,7 @@ def run_moe(Ns: list[int], sweep: bool, rep_ms: int, device: str = "cuda") -> li
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", default="chunk_kda,kda_decode_step,mla_decode,causal_conv1d,moe_combine",
                     help="comma-separated: chunk_kda, kda_decode_step, mla_decode, moe_decode, mla_decode_layout, "
                          "mla_decode_rows, mla_absorb, moe_prefill_rows, " + ", ".join(TORCH_PEER_CASES))
@@ -1189,11 +1189,15 @@ def main(argv=None) -> None:
                     help="comma-separated config keys: the sweeps run only the configs that change nothing else")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per measurement")
     args = ap.parse_args(argv)
-    ops = [o for o in args.ops.split(",") if o]
-    unknown = set(ops) - {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "mla_decode_layout",
-                          "mla_decode_rows", "mla_absorb", "moe_prefill_rows", *TORCH_PEER_CASES}
-    if unknown:
-        raise SystemExit(f"unknown --ops {sorted(unknown)}")
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    known = {"chunk_kda", "kda_decode_step", "mla_decode", "moe_decode", "mla_decode_layout", "mla_decode_rows",
+             "mla_absorb", "moe_prefill_rows", *TORCH_PEER_CASES}
+    unknown = set(ops) - known
+    if unknown or not ops:
+        ap.error(f"--ops: {'unknown ' + str(sorted(unknown)) if unknown else 'names no op'}; the ops: "
+                 f"{', '.join(sorted(known))}")
+    if args.rep_ms < 1:
+        ap.error(f"--rep-ms must be >= 1, got {args.rep_ms}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
     peer, peer_missing = None, None

@@ -35,8 +35,9 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     # Expert work: the decode experts, the prefill's grouped GEMMs (moe_grouped_*) and the dispatch and combine
     # around them.
     ("moe_experts", r"moe_expert|fused_moe|moe_grouped|moe_dispatch|moe_combine"),
-    # cuBLAS / cutlass / nvjet matmuls, incl. cuBLAS's split-K reduction that belongs to its GEMM.
-    ("gemm", r"gemv|gemm|cutlass|xmma|nvjet|splitkreduce"),
+    # cuBLAS / cutlass / nvjet matmuls, incl. cuBLAS's split-K reduction that belongs to its GEMM; on a CPU (the
+    # smoke run's leaf operators) ATen's matmul operators.
+    ("gemm", r"gemv|gemm|cutlass|xmma|nvjet|splitkreduce|^aten::(?:addmm|baddbmm|bmm|mm|matmul|linear|einsum)$"),
     ("norm", r"rms_?norm|layer_?norm|l2_?norm|group_?norm"),
     # Explicit casts (aten::_to_copy, Triton `convert`), PyTorch's dtype-converting copies
     # (bfloat16_copy_kernel_cuda, bfloat16tofloat32_copy_kernel_cuda, ...) and its dynamic-casting

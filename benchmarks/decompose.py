@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from model.build import load_model
     from records.store import append, make_record
 
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.decompose", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decompose", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny preset on the CPU (smoke test)")
     ap.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--preset")
@@ -276,6 +276,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         log(f"graph mode not profiled: {why}")
         notes.append(f"graph mode not profiled: {why}")
         modes.remove("graph")
+        if not modes:
+            ap.error(f"nothing to trace: --modes {a.modes} names graph mode only, and {why}")
     modes.sort(key=MODES.index)  # eager first: the graph record, when there is one, is the latest
 
     log(f"decompose {a.phase}: {a.preset} {a.dtype} on {a.device}, context {a.context}, {a.steps} steps, "
@@ -293,10 +295,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   "device": device_type, "run": run_id}
         if a.variant:
             params["variant"] = dict(zip(("name", "module", "changes"), a.variant))
+        def run():
+            return run_prefill(model, ids, a.steps, a.device) if a.phase == "prefill" else \
+                run_mode(model, mode, ids, a.steps, a.prefill_chunk, a.device)
+        reached = None
         try:
             with variant():
-                out = run_prefill(model, ids, a.steps, a.device) if a.phase == "prefill" else \
-                    run_mode(model, mode, ids, a.steps, a.prefill_chunk, a.device)
+                if a.variant:   # counted: a variant no call reaches would trace the defaults under its name
+                    got = {}
+                    reached = bench_ab.calls_during(a.variant[1], a.variant[2], lambda: got.update(out=run()))
+                    out = got["out"]
+                else:
+                    out = run()
         except Exception as e:  # e.g. a graph capture failing: keep the other mode's record, say what broke
             traceback.print_exc()
             out, results = None, {}
@@ -307,6 +317,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             path = Path(a.trace_dir) / f"decompose_{a.preset}_{name}_ctx{a.context}_{run_id}.json.gz"
             size = write_trace(out["trace"], device_type, path)
             results, problems = summarize_trace(events, a.steps, mode, cfg.num_hidden_layers)
+            if reached == 0:
+                problems.append(f"the variant {a.variant[0]} reached no call of "
+                                f"{bench_ab.config_module(a.variant[1])}: this trace is the defaults' (on a CPU the "
+                                f"model runs PyTorch's forms unless KIMI_KERNELS=triton under TRITON_INTERPRET=1)")
             results.update({"step_ms_unprofiled": summarize(out["unprofiled"].samples_ms)["median_ms"],
                             "trace": shown_path(path), "trace_bytes": size,
                             "events": "gpu kernels, memcpy, memset" if device_type == "cuda"

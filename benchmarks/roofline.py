@@ -169,7 +169,7 @@ def measure_ceilings(device, read_bytes: int = 4 << 30, matmul_n: int = 8192, re
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="48b-a3b")
     ap.add_argument("--contexts", default="0,1024,8192,32768,131072")
     a = ap.parse_args(argv)

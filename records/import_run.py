@@ -5,9 +5,11 @@
 A GPU box runs a copy of the working tree whose own git may be stale or absent, so the commit its records name
 cannot be trusted. Whoever sent the tree knows which commit it was: each record of SRC (a records directory from
 that copy) that DEST (default: this checkout's records) does not already hold, by id, is appended with `git.commit`
-set to that commit and the box's own view kept under `git.device_reported`, with `git.note` saying which run it
-was. Records are appended whole through `store.append`; nothing already in DEST changes. Torn or malformed lines
-of SRC are reported and skipped, never imported. A record's trace file (`results.trace`, a path under
+set to that commit and `git.dirty` false (the sender vouches that the tree sent was that commit: commit before
+sending) and the box's own view kept under `git.device_reported`, with `git.note` saying which run it was.
+Every record is checked before any is appended (`store.line_of`), so a bad one stops the import with nothing
+written; records are appended whole through `store.append`; nothing already in DEST changes. Torn or malformed
+lines of SRC are reported and skipped, never imported, and counted in the summary line. A record's trace file (`results.trace`, a path under
 `reports/traces/` of the tree, as `benchmarks.decompose` writes it) comes along from SRC's tree (the directory
 above SRC) into DEST's (the directory above DEST), so the record's path holds here too; a trace that SRC's tree
 lacks, or a path outside `reports/traces/`, is reported and not copied.
@@ -46,15 +48,19 @@ def import_run(src: str | Path, commit: str, note: str, root: str | Path | None 
     have = {r["id"] for r in store.load(root=root).records}
     counts: Counter = Counter()
     problems = list(incoming.problems)
+    new = []
     for r in incoming.records:
         if r["id"] in have:
             continue
         seen = r["git"] or {}
-        r = {**r, "git": {"commit": commit, "dirty": False,
-                          "device_reported": {"commit": seen.get("commit"), "dirty": seen.get("dirty")},
-                          "note": note}}
-        store.append(r, root=root)
+        new.append({**r, "git": {"commit": commit, "dirty": False,
+                                 "device_reported": {"commit": seen.get("commit"), "dirty": seen.get("dirty")},
+                                 "note": note}})
         have.add(r["id"])
+    for r in new:   # all or none: a record append would refuse stops the import before anything is written
+        store.line_of(r)
+    for r in new:
+        store.append(r, root=root)
         counts[r["kind"]] += 1
         trace = (r.get("results") or {}).get("trace")
         if isinstance(trace, str):
@@ -78,7 +84,7 @@ def _copy_trace(trace: str, src_tree: Path, dest_tree: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m records.import_run", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m records.import_run", description=__doc__.split("\n\n")[0])
     ap.add_argument("src", help="a records directory from the other box's copy of the tree")
     ap.add_argument("--commit", required=True, help="the full id of the commit whose tree ran there")
     ap.add_argument("--note", required=True, help="which run this was (kept in each record's git.note)")
@@ -91,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for p in problems:
         print(f"skipped: {p}", file=sys.stderr)
-    print(f"imported {sum(counts.values())} record(s)" + "".join(f", {k} {n}" for k, n in sorted(counts.items())))
+    print(f"imported {sum(counts.values())} record(s)" + "".join(f", {k} {n}" for k, n in sorted(counts.items()))
+          + (f"; {len(problems)} problem(s) above, those lines or traces not imported" if problems else ""))
     return 0
 
 

@@ -202,17 +202,23 @@ def make_record(kind: str, *, preset: str | None, dtype: str | None, device: str
 
 # ---- writing ---------------------------------------------------------------------------------
 
-def append(record: dict, root: str | Path | None = None) -> Path:
-    """Append `record` as one line to `<kind>.jsonl`, whole, under an exclusive lock, fsynced. Returns the path."""
+def line_of(record: dict) -> bytes:
+    """The line `append` writes for `record`, or a ValueError saying why it cannot be one: a missing field, a kind
+    or verdict it does not know, a NaN (JSON has none). A batch checks every record with it before writing any."""
     missing = [f for f in REQUIRED_FIELDS if f not in record]
     if missing:
         raise ValueError(f"record lacks fields {', '.join(missing)}; build records with make_record")
     _check_kind_verdict(record["kind"], record["verdict"], record["reasons"])
     try:
-        line = json.dumps(record, allow_nan=False, separators=(",", ":")).encode() + b"\n"
+        return json.dumps(record, allow_nan=False, separators=(",", ":")).encode() + b"\n"
     except ValueError as e:
         raise ValueError(f"record {record['id']} holds a NaN or inf, which JSON cannot carry ({e}); "
                          f"make_record stores such values as null") from e
+
+
+def append(record: dict, root: str | Path | None = None) -> Path:
+    """Append `record` as one line to `<kind>.jsonl`, whole, under an exclusive lock, fsynced. Returns the path."""
+    line = line_of(record)
     d = records_dir(root)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{record['kind']}.jsonl"

@@ -174,7 +174,7 @@ def judge(steps: list[Step], regressions: list[regress.Regression]) -> Verdict:
 
 
 def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", help="records directory (default: the store's)")
     ap.add_argument("--out", default=str(ROOT / "reports"), help="where the report is rendered")
     ap.add_argument("--preset", help="default: each step's own (tiny on a CPU; on a GPU 48b-a3b, the gates only "

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from scipy.stats import mannwhitneyu
@@ -191,14 +192,26 @@ def check_latest(records: list[dict], k: int = HISTORY_RUNS) -> list[Regression]
 def main(argv: list[str] | None = None) -> int:
     from records.store import load
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", default=None, help="records directory (default: the store's)")
-    parser.add_argument("--history", type=int, default=HISTORY_RUNS, help="runs of history to compare with")
+    parser.add_argument("--history", type=int, default=HISTORY_RUNS,
+                        help=f"runs of history to compare with (at least {MIN_HISTORY_RUNS}; default {HISTORY_RUNS})")
     args = parser.parse_args(argv)
-    results = check_latest(load(kinds=["bench"], root=args.records).records, args.history)
+    if args.history < MIN_HISTORY_RUNS:
+        # fewer could never judge; 0 or less would take the whole history through Python's slicing
+        parser.error(f"--history must be at least {MIN_HISTORY_RUNS}, got {args.history}")
+    if args.records is not None and not Path(args.records).is_dir():
+        parser.error(f"--records {args.records}: no such directory")
+    loaded = load(kinds=["bench"], root=args.records)
+    for p in loaded.problems:
+        print(f"warning: skipped an unreadable line: {p}", file=sys.stderr)
+    results = check_latest(loaded.records, args.history)
     for r in results:
-        print(f"{r.verdict:>20}  {describe(r.key)}  {r.record_id}: {r.message}")
-    return 1 if any(r.verdict == "regression" for r in results) else 0
+        print(f"{r.verdict:>20}  {describe(r.key)}  {r.record_id[:8]}: {r.message}")
+    flagged = sum(r.verdict == "regression" for r in results)
+    print(f"{len(results)} configuration(s) judged: {flagged} regression(s), "
+          f"{sum(r.verdict == 'insufficient-history' for r in results)} with too little history")
+    return 1 if flagged else 0
 
 
 if __name__ == "__main__":

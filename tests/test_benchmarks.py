@@ -163,7 +163,8 @@ def test_bench_quick_end_to_end(records_dir):
         assert r["verdict"] == "VALID", r["reasons"]
         assert r["preset"] == "tiny" and r["device"] == "cpu" and r["weights"].startswith("sha256:")
         assert q["tok_s"] > 0 and q["hbm_gbps"] > 0 and q["host_launch_us"] > 0 and q["host_kernel_launch_us"] > 0
-        assert q["roofline_fraction"] == pytest.approx(q["tok_s"] / q["roofline_tok_s"])
+        assert q["roofline_fraction"] is None and q["roofline_tok_s"] is None   # a CPU has no roofline here
+        assert q["roofline_note"] == bench_e2e.CPU_ROOFLINE_NOTE
         assert q["median_ms"] == pytest.approx(summarize(q["samples_ms"])["median_ms"])
         if r["params"]["peer"]:
             assert q["peer_tok_s"] > 0 and q["speedup_vs_peer"] == pytest.approx(q["tok_s"] / q["peer_tok_s"])
@@ -308,43 +309,72 @@ def test_decompose_prefill_quick(records_dir, tmp_path):
     assert q["kernels_per_step"] > 27
 
 
-def test_decompose_traces_under_a_variant_and_records_it(records_dir, tmp_path):
+def test_decompose_traces_under_a_variant_and_records_it(records_dir, tmp_path, monkeypatch):
     """`--variant` holds the config changed while the model runs (and only then), and the record names it; a key
-    the module lacks is refused before anything runs."""
-    from model.triton import moe_grouped
+    the module lacks is refused before anything runs. The kernels run through Triton's interpreter, so the prefill
+    reaches the chunk kernel's module."""
+    from model.triton import kda_chunk
+    monkeypatch.setenv("KIMI_KERNELS", "triton")
     seen = []
     real = decompose.run_prefill
 
     def spy(*a, **k):
-        seen.append(moe_grouped.CONFIG["down"]["tma"])
+        seen.append(kda_chunk.CONFIG["scan_warps"])
         return real(*a, **k)
-    decompose.run_prefill = spy
-    try:
-        decompose.main(["--quick", "--phase", "prefill", "--trace-dir", str(tmp_path / "traces"),
-                        "--variant", 'v=moe_grouped:{"down": {"tma": true}}'])
-    finally:
-        decompose.run_prefill = real
-    assert seen == [True] and moe_grouped.CONFIG["down"]["tma"] is False
+    monkeypatch.setattr(decompose, "run_prefill", spy)
+    decompose.main(["--quick", "--phase", "prefill", "--trace-dir", str(tmp_path / "traces"),
+                    "--variant", 'v=kda_chunk:{"scan_warps": 2}'])
+    assert seen == [2] and kda_chunk.CONFIG["scan_warps"] == 4
     r = load(kinds="decomposition", root=records_dir).records[-1]
-    assert r["params"]["variant"] == {"name": "v", "module": "moe_grouped", "changes": {"down": {"tma": True}}}
+    assert r["params"]["variant"] == {"name": "v", "module": "kda_chunk", "changes": {"scan_warps": 2}}
+    assert r["verdict"] == "VALID", r["reasons"]
     with pytest.raises(SystemExit):
         decompose.main(["--quick", "--phase", "prefill", "--variant", 'v=moe_grouped:{"nokey": 1}'])
+
+
+def test_benchmark_arguments_that_would_measure_nothing_are_refused(records_dir, capsys):
+    """Each exits 2 with a usage error naming what is wrong, before any model is built, and writes nothing."""
+    from benchmarks import bench_kernels
+    cases = [(lambda: bench_kernels.main(["--ops", "bogus"]), "unknown ['bogus']; the ops: "),
+             (lambda: bench_kernels.main(["--ops", ","]), "--ops: names no op"),
+             (lambda: bench_kernels.main(["--ops", "chunk_kda", "--rep-ms", "-1"]), "--rep-ms must be >= 1"),
+             (lambda: decompose.main(["--quick", "--modes", "graph"]), "nothing to trace: --modes graph"),
+             (lambda: bench_e2e.main(["--quick", "--budget-s", "-5"]), "--budget-s must be > 0 seconds"),
+             (lambda: bench_e2e.main(["--quick", "--preset", "nope"]), "--preset 'nope': no such preset"),
+             (lambda: bench_e2e.main(["--quick", "--contexts", ",", "--prefill", ",", "--recompute-steps", "0"]),
+              "nothing to measure")]
+    if not torch.cuda.is_available():
+        cases.append((lambda: bench_e2e.main(["--quick", "--device", "cuda"]), "--device cuda: no CUDA device here"))
+    for run, why in cases:
+        with pytest.raises(SystemExit) as e:
+            run()
+        assert e.value.code == 2 and why in capsys.readouterr().err, why
+    assert not load(root=records_dir).records
+
+
+def test_decompose_under_a_variant_no_call_reaches_is_invalid(records_dir, tmp_path):
+    """The negative control: on a CPU's PyTorch forms nothing calls model.triton.moe_grouped, so the trace is the
+    defaults' whatever the variant says; the record says so, INVALID, instead of naming a variant that never ran."""
+    (r,) = decompose.main(["--quick", "--phase", "prefill", "--trace-dir", str(tmp_path / "traces"),
+                           "--variant", 'v=moe_grouped:{"down": {"tma": true}}'])
+    assert r["verdict"] == "INVALID" and any("reached no call of model.triton.moe_grouped" in x for x in r["reasons"])
 
 
 def test_decompose_holds_the_variant_for_every_mode(records_dir, tmp_path, monkeypatch):
     """With two modes (eager, then graph) each runs under the variant: a context that could run only once would
     leave the second mode's trace unmade (INVALID) or made without the variant."""
-    from model.triton import moe_grouped
+    from model.triton import kda_chunk
+    monkeypatch.setenv("KIMI_KERNELS", "triton")
     seen, real = [], decompose.run_mode
 
     def spy(model, mode, *a, **k):
-        seen.append((mode, moe_grouped.CONFIG["down"]["tma"]))
+        seen.append((mode, kda_chunk.CONFIG["scan_warps"]))
         return real(model, "eager", *a, **k)  # the CPU has no graph mode: trace eager twice
     monkeypatch.setattr(decompose, "graph_unavailable", lambda device: None)
     monkeypatch.setattr(decompose, "run_mode", spy)
     recs = decompose.main(["--quick", "--trace-dir", str(tmp_path / "traces"),
-                           "--variant", 'v=moe_grouped:{"down": {"tma": true}}'])
-    assert seen == [("eager", True), ("graph", True)] and moe_grouped.CONFIG["down"]["tma"] is False
+                           "--variant", 'v=kda_chunk:{"scan_warps": 2}'])
+    assert seen == [("eager", 2), ("graph", 2)] and kda_chunk.CONFIG["scan_warps"] == 4
     assert [r["verdict"] for r in recs] == ["VALID", "VALID"]
 
 
@@ -753,19 +783,21 @@ def test_ab_applied_changes_only_the_named_keys_and_restores_them():
         assert {k: v for k, v in c["down"].items() if k != "tma"} == {k: v for k, v in before["down"].items()
                                                                        if k != "tma"}
     assert moe_grouped.CONFIG == before
-    with pytest.raises(KeyError, match="no keys"):
+    with pytest.raises(KeyError, match=r"CONFIG\[.down.\]: unknown cfg keys \[.BQ.\]; its keys: \[.BK., "):
         with bench_ab.applied("moe_grouped", {"down": {"BQ": 1}}):
             pass
     assert moe_grouped.CONFIG == before
 
 
-def test_ab_quick_end_to_end(records_dir):
-    """On the tiny preset on the CPU: a record per variant and length, both arms timed in every round, the logits
-    compared (the CPU path takes none of these kernels, so the bits are the defaults')."""
+def test_ab_quick_end_to_end(records_dir, monkeypatch):
+    """On the tiny preset on the CPU, the kernels through Triton's interpreter: a record per variant and length,
+    both arms timed in every round, the logits compared (fp32 inputs take the chunk kernel's `exact` config, which
+    these variants leave alone: the defaults' bits)."""
     from benchmarks import bench_ab
+    monkeypatch.setenv("KIMI_KERNELS", "triton")
     recs = bench_ab.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prefill", "9,17",
-                          "--rounds", "2", "--variant", 'a=moe_grouped:{"use": ["down"]}',
-                          "--variant", 'b=moe_grouped:{"down": {"tma": true}}'])
+                          "--rounds", "2", "--variant", 'a=kda_chunk:{"scan_warps": 2}',
+                          "--variant", 'b=kda_chunk:{"prep_stages": 2}'])
     assert [(r["params"]["variant"], r["params"]["T"]) for r in recs] == [("a", 9), ("b", 9), ("a", 17), ("b", 17)]
     for r in recs:
         res = r["results"]
@@ -773,6 +805,25 @@ def test_ab_quick_end_to_end(records_dir):
         assert len(res["samples_ms"]) == len(res["peer_samples_ms"]) == 2 and res["same_bits"]
         assert res["paired_ratio_min"] <= res["paired_ratio_median"] <= res["paired_ratio_max"]
     assert len(load("kernel", root=records_dir).records) == 4
+    assert all(r["results"]["timing"].startswith("host clock") for r in recs)   # not "CUDA events" on a CPU
+
+
+def test_ab_config_arm_that_no_call_reaches_is_an_error(records_dir, capsys):
+    """The negative control: on a CPU the model runs PyTorch's forms and never calls model.triton.moe_grouped (CUDA
+    only), so an A/B of its config would time the defaults twice and call it VALID; it is an error, and no record
+    is written. A value of the wrong kind is refused before the model is built."""
+    from benchmarks import bench_ab
+    with pytest.raises(SystemExit):
+        bench_ab.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prefill", "9", "--rounds", "1",
+                       "--variant", 'a=moe_grouped:{"use": ["down"]}'])
+    assert "no call of the prefill reached model.triton.moe_grouped" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_ab.main(["--preset", "tiny", "--device", "cpu", "--variant", 'x=kda_chunk:{"scan_warps": "eight"}'])
+    assert "'scan_warps' must be a number as its default 4 is, got 'eight'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_ab.main(["--preset", "tiny", "--variant", 'x=kda_chunk:{"scan_warps": 2}'] +
+                      ([] if not torch.cuda.is_available() else ["--device", "cuda:99"]))
+    assert len(load("kernel", root=records_dir).records) == 0
 
 
 def test_ab_logits_that_moved_make_the_record_invalid(records_dir):
@@ -835,9 +886,10 @@ def test_ab_code_arm_that_no_call_reaches_is_an_error(records_dir, monkeypatch, 
     if _git_head() is None:
         pytest.skip("not a git checkout: a code arm reads the module from git")
     monkeypatch.setenv("KIMI_KERNELS", "torch")
-    with pytest.raises(RuntimeError, match="no call of the prefill reached kda_chunk"):
+    with pytest.raises(SystemExit):
         bench_ab.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prefill", "9", "--rounds", "1",
                        "--variant", "head=kda_chunk@HEAD"])
+    assert "no call of the prefill reached model.triton.kda_chunk as it was at" in capsys.readouterr().err
     for bad, why in (("x=kda_chunk@no-such-revision", "git bundle create"),
                      ("x=no_such_module@HEAD", "no_such_module")):
         with pytest.raises(SystemExit):

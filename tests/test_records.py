@@ -200,6 +200,22 @@ def test_import_run_appends_what_is_new_attributed_to_the_sent_commit(tmp_path, 
     assert len(load(root=here).records) == 3
 
 
+def test_import_run_writes_nothing_when_one_record_cannot_be_written(tmp_path, capsys):
+    """A line of SRC that reads back but cannot be written (a NaN: Python's JSON reads it, the store refuses it)
+    stops the import before the first append: all or none, not the records before it."""
+    from records import import_run
+    box, here = tmp_path / "box", tmp_path / "here"
+    good = [_bench(tok_s=1.0), _bench(tok_s=2.0)]
+    append(good[0], root=box)
+    with open(box / "bench.jsonl", "a") as f:
+        f.write(json.dumps(_bench(tok_s=3.0) | {"results": {"tok_s": float("nan")}}) + "\n")
+    append(good[1], root=box)
+    assert len(load(root=box).records) == 3                # it reads back
+    assert import_run.main([str(box), "--commit", _head(), "--note", "run 9", "--root", str(here)]) == 2
+    assert "holds a NaN or inf" in capsys.readouterr().err
+    assert not (here / "bench.jsonl").exists()
+
+
 @pytest.mark.parametrize("commit, note, match", [("abc123", "run", "full 40-digit"),
                                                  ("0" * 40, "run", "not in this repository"),
                                                  (None, " ", "--note must say")])

@@ -1,4 +1,5 @@
 """reports/regress.py on synthetic histories: a planted slowdown is flagged, run-to-run noise is not."""
+import re
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -149,6 +150,18 @@ def test_cli_on_the_fixture_history_exits_1_for_the_planted_slowdown(capsys):
     out = capsys.readouterr().out
     flagged = [line for line in out.splitlines() if line.strip().startswith("regression")]
     assert len(flagged) == 1 and " decode ctx 8192 " in flagged[0]
+    assert re.search(r"^\d+ configuration\(s\) judged: 1 regression\(s\)", out, re.M)
+
+
+@pytest.mark.parametrize("argv, why", [(["--history", "0"], "--history must be at least 3, got 0"),
+                                       (["--history", "-1"], "--history must be at least 3"),
+                                       (["--records", "/no/such/records"], "no such directory")])
+def test_cli_refuses_what_would_judge_nothing_or_everything(argv, why, capsys):
+    """--history 0 or -1 took the whole history (Python's slicing) and lifted the bar past a 2.4x slowdown; a
+    records folder that does not exist printed nothing and passed."""
+    with pytest.raises(SystemExit) as e:
+        regress.main(argv)
+    assert e.value.code == 2 and why in capsys.readouterr().err
 
 
 def test_the_message_names_the_gpu_clock_against_the_historys_and_the_verdict_stands():

@@ -58,24 +58,41 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 class UnknownConfigKeys(ValueError, KeyError):
-    """A launch-config override naming keys the defaults lack (a ValueError to kernels' callers, a KeyError to
-    those that look keys up, as `benchmarks.bench_ab` does)."""
+    """A launch-config override naming keys the defaults lack, or giving a value of another kind than the default's
+    (a ValueError to kernels' callers, a KeyError to those that look keys up, as `benchmarks.bench_ab` does)."""
+
+    def __str__(self) -> str:   # KeyError's str() quotes its message
+        return str(self.args[0]) if self.args else ""
+
+
+def _kind(v) -> str:
+    """What an override must match its default in: a count is no flag, a name no count ("eight" for 8)."""
+    if isinstance(v, bool):
+        return "true/false"
+    if isinstance(v, (int, float)):
+        return "a number"
+    return {str: "a name", tuple: "a list", list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
 
 
 def launch_config(name: str, defaults: dict, cfg: dict | None) -> dict:
     """A kernel's launch config: its module's defaults with `cfg`'s overrides (a benchmark sweep's, a model-level
     A/B's); a default that is itself a dict (one kernel's tiles among several) takes an override's keys one by one,
-    so an override names only what it changes. An unknown key, at either level, is an error, not a silent no-op."""
+    so an override names only what it changes. An unknown key, at either level, or a value of another kind than
+    its default's (a default or an override of None matches anything), is an error, not a silent no-op."""
+    def check(where: str, defaults: dict, cfg: dict) -> None:
+        unknown = sorted(set(cfg) - set(defaults))
+        if unknown:
+            raise UnknownConfigKeys(f"{where}: unknown cfg keys {unknown}; its keys: {sorted(defaults)}")
+        for k, v in cfg.items():
+            if defaults[k] is not None and v is not None and _kind(v) != _kind(defaults[k]):
+                raise UnknownConfigKeys(f"{where}: {k!r} must be {_kind(defaults[k])} as its default "
+                                        f"{defaults[k]!r} is, got {v!r}")
     cfg = cfg or {}
-    unknown = sorted(set(cfg) - set(defaults))
-    if unknown:
-        raise UnknownConfigKeys(f"{name}: unknown cfg keys {unknown}")
+    check(name, defaults, cfg)
     out = {**defaults, **cfg}
     for k, v in cfg.items():
-        if isinstance(defaults[k], dict):
-            unknown = sorted(set(v) - set(defaults[k]))
-            if unknown:
-                raise UnknownConfigKeys(f"{name}: {k!r} has no keys {unknown} (unknown cfg keys)")
+        if isinstance(defaults[k], dict) and isinstance(v, dict):
+            check(f"{name}[{k!r}]", defaults[k], v)
             out[k] = {**defaults[k], **v}
     return out
 
