@@ -112,6 +112,12 @@ def is_code(changes: dict) -> bool:
 _code: dict[tuple[str, str], tuple[object, dict]] = {}
 
 
+def _public_functions(mod) -> dict:
+    """The functions `mod` defines itself and does not mark private: the entry points `model.ops` calls."""
+    return {k: v for k, v in vars(mod).items()
+            if inspect.isfunction(v) and v.__module__ == mod.__name__ and not k.startswith("_")}
+
+
 def _counted(fn, reached: dict):
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -145,9 +151,8 @@ def code_at(module: str, rev: str) -> str:
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         reached = {"calls": 0}
-        for k, v in list(vars(mod).items()):
-            if inspect.isfunction(v) and v.__module__ == mod.__name__ and not k.startswith("_"):
-                setattr(mod, k, _counted(v, reached))
+        for k, v in _public_functions(mod).items():
+            setattr(mod, k, _counted(v, reached))
         _code[(name, sha)] = (mod, reached)
     return sha
 
@@ -180,8 +185,7 @@ def counting_calls(module: str):
     dict it yields (`model.ops` looks each entry point up when it calls it, so the count sees every call)."""
     mod = importlib.import_module(config_module(module))
     reached = {"calls": 0}
-    saved = {k: v for k, v in vars(mod).items()
-             if inspect.isfunction(v) and v.__module__ == mod.__name__ and not k.startswith("_")}
+    saved = _public_functions(mod)
     for k, v in saved.items():
         setattr(mod, k, _counted(v, reached))
     try:

@@ -142,7 +142,7 @@ def mark_skips(steps: list[Step], new: list[dict]) -> None:
     """A step whose run wrote a record with results.decision == "skipped" (the memory gate without a GPU) is
     skipped, not ok: it exits 0 and judged nothing. Records name no step, so each gate step is matched to its
     records' kind."""
-    kinds = {"gate-a": "gate_a", "gate-b": "gate_b", "gate-memory": "memory"}
+    from gates.__main__ import RECORD_KINDS as kinds   # the record kind each gate command appends
     for s in steps:
         s.skipped = s.returncode == 0 and any(r.get("kind") == kinds.get(s.name) and
                                               (r.get("results") or {}).get("decision") == "skipped" for r in new)
