@@ -293,7 +293,7 @@ def default_layout(L: int, B: int, H: int, device: torch.device) -> tuple[int, i
 # - "positions", 8 warps: 216 registers, no spills; Triton gives a dot that feeds another all warps along its
 #   rows (its flash-attention rule), so both warpgroups compute the same 64-row scores: 104 m64n32k16 each, ~639 KB.
 # "heads" stays the default until `bench_kernels --ops mla_decode_rows` has timed them on the H200.
-CONFIG = dict(rows="heads", positions_warps=4)
+CONFIG = dict(rows="positions", positions_warps=4)
 ROWS = ("heads", "positions")
 _POSITIONS_STAGES = 2
 
