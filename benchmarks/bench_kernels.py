@@ -495,11 +495,11 @@ MLA_POSITIONS_WARPS = (4, 8)  # the positions kernel's warps that mla_rows_case 
 
 
 def mla_rows_case(T: int, device: str = "cuda") -> list[dict]:
-    """mla_decode with CONFIG's rows = "positions" (ours, at each of MLA_POSITIONS_WARPS) against "heads" (peer
-    "heads-rows", the default), both in default_layout, graph-timed over MLA_LAYERS layers' calls (each its own
-    cache), batch 1, a buffer of T positions, the query at T-1; each checked against the peer's output and the
-    fp32 torch reference. One record per warps; none where the layout's loop step is not _BL (SHORT's steps of
-    32 at short buffers), where both would run the heads-as-rows kernel."""
+    """mla_decode with CONFIG's rows = "positions" (ours, at each of MLA_POSITIONS_WARPS; 4 is the default since
+    8d33c8b) against "heads" (peer "heads-rows"), both in default_layout, graph-timed over MLA_LAYERS layers'
+    calls (each its own cache), batch 1, a buffer of T positions, the query at T-1; each checked against the
+    peer's output and the fp32 torch reference. One record per warps; none where the layout's loop step is not
+    _BL (SHORT's steps of 32 at short buffers), where both would run the heads-as-rows kernel."""
     from model import ops
     from model.triton import mla_decode as ml
     dev = torch.device(device)
