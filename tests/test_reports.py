@@ -447,3 +447,19 @@ def test_a_peer_without_a_name_is_drawn_as_peer(tmp_path):
     sections = render.render(records_root=root, out=tmp_path / "out")
     speed = next(s for s in sections if s.title.startswith("Speed against"))
     assert any(isinstance(b, render.Figure) for b in speed.blocks)
+
+
+def test_the_peers_cell_reads_the_rate_its_speedup_was_taken_from(tmp_path):
+    """The speed table gives a peer's tok/s as the record's `peer_tok_s`, the figure `speedup_vs_peer` divides by,
+    not a rate from its median step (which HF's noisy eager decode moves apart from the mean: 6.46 against 6.91 tok/s
+    in afce7d24)."""
+    from records import store
+    root = tmp_path / "rec"
+    store.append(store.make_record("bench", preset="tiny", dtype="float32", device="cpu", weights=None,
+                                   params=dict(phase="decode", context=64, impl="ours-graph", peer="hf"),
+                                   results=dict(tok_s=100.0, peer="hf", peer_tok_s=10.0, speedup_vs_peer=10.0,
+                                                peer_median_ms=50.0, peer_samples_ms=[50.0, 50.0, 200.0])),
+                 root=root)
+    speed = next(s for s in render.render(records_root=root, out=tmp_path / "out") if s.title.startswith("Speed"))
+    cells = [row[-1] for b in speed.blocks if isinstance(b, render.Table) for row in b.rows if row[0] == "64"]
+    assert len(cells) == 1 and cells[0].startswith("hf 10 ("), cells   # 1000 / 50 ms would read 20
