@@ -6,13 +6,13 @@ A GPU box runs a copy of the working tree whose own git may be stale or absent, 
 cannot be trusted. Whoever sent the tree knows which commit it was: each record of SRC (a records directory from
 that copy) that DEST (default: this checkout's records) does not already hold, by id, is appended with `git.commit`
 set to that commit and `git.dirty` false (the sender vouches that the tree sent was that commit: commit before
-sending) and the box's own view kept under `git.device_reported`, with `git.note` saying which run it was.
-Every record is checked before any is appended (`store.line_of`), so a bad one stops the import with nothing
-written; records are appended whole through `store.append`; nothing already in DEST changes. Torn or malformed
-lines of SRC are reported and skipped, never imported, and counted in the summary line. A record's trace file (`results.trace`, a path under
-`reports/traces/` of the tree, as `benchmarks.decompose` writes it) comes along from SRC's tree (the directory
-above SRC) into DEST's (the directory above DEST), so the record's path holds here too; a trace that SRC's tree
-lacks, or a path outside `reports/traces/`, is reported and not copied.
+sending) and the box's own view kept under `git.device_reported`, with `git.note` saying which run it was. Every
+record is checked before any is appended (`store.line_of`), so a bad one stops the import with nothing written;
+records are appended whole through `store.append`; nothing already in DEST changes. Torn or malformed lines of SRC
+are reported and skipped, never imported, and counted in the summary line. A record's trace file (`results.trace`,
+a path under `reports/traces/` of the tree, as `benchmarks.decompose` writes it) comes along from SRC's tree (the
+directory above SRC) into DEST's (the directory above DEST), so the record's path holds here too; a trace that
+SRC's tree lacks, or a path outside `reports/traces/`, is reported and not copied.
 """
 from __future__ import annotations
 

@@ -292,15 +292,6 @@ def series_label(r: dict) -> str:
     return f"{r['preset']} {r['dtype']} ({get(r, 'machine.gpu', 'no GPU')})"
 
 
-def peer_rate(r: dict):
-    """The peer's tok/s as the record gives it (`results.peer_tok_s`): calls over the span of its timed calls, the
-    same statistic as ours (`results.tok_s`) and as `results.speedup_vs_peer`, so the plot, the table and the
-    targets read one figure. HF's first decode step, which carries fla's autotuning, is warm-up and not timed
-    (`benchmarks.bench_e2e.hf_decode`, since 228fddf; an older record's peer figure counted it, and no plotted
-    configuration's latest record is that old)."""
-    return get(r, "results.peer_tok_s")
-
-
 def speed_section(bench: list[dict], out: Path) -> Section:
     s = Section("Speed against context length")
     bench, s.blocks = usable(bench, ("params.phase", "params.context", "results.tok_s"), "bench")
@@ -310,6 +301,8 @@ def speed_section(bench: list[dict], out: Path) -> Section:
             s.blocks.append(f"{phase}: {NO_RECORDS}")
             continue
         ours = latest_by(rs, bench_config)
+        # A peer's rate is its record's peer_tok_s, calls over its timed span as ours is, the figure
+        # speedup_vs_peer divides by (not its median step: HF's eager decode moves the two apart).
         peers = latest_by([r for r in rs if get(r, "results.peer_tok_s") is not None],
                           lambda r: (bench_config(r), get(r, "results.peer")))
         fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -321,7 +314,7 @@ def speed_section(bench: list[dict], out: Path) -> Section:
                     (get(r, "params.context"), get(r, "results.tok_s") / get(r, "results.roofline_fraction")))
         for r in peers.values():  # a record that measured a peer without naming it still draws, as "peer"
             lines[(get(r, "results.peer", "peer"), series_label(r))].append(
-                (get(r, "params.context"), peer_rate(r)))
+                (get(r, "params.context"), get(r, "results.peer_tok_s")))
         for (who, label), points in sorted(lines.items()):
             x, y = zip(*sorted(points))
             style = {"ours": dict(marker="o", lw=2, color=OURS_COLOR),
@@ -337,11 +330,13 @@ def speed_section(bench: list[dict], out: Path) -> Section:
         s.blocks.append(Table(
             ["context", "config", "ours tok/s", "roofline fraction", "host us / eager launch (/ one of our kernels)",
              "GPU while timed (SM clock; samples at the power cap; prefill calls the host paced)", "record",
-             "peers (tok/s, as ours: calls over the timed span; record; first greedy tokens agreeing with ours; GPU clock)"],
+             "peers (tok/s as ours, calls over the timed span; record; first greedy tokens agreeing with ours; "
+             "GPU clock)"],
             [[str(get(r, "params.context")), series_label(r), fmt(get(r, "results.tok_s")),
               fmt(get(r, "results.roofline_fraction"), ".1%"), host_probe_text(r),
               clock_text(get(r, "results.clocks")) + regress.pacing_note(r), short_id(r),
-              ", ".join(f"{get(p, 'results.peer')} {fmt(peer_rate(p))} ({short_id(p)}{spot_text(p)}{peer_clock(p)})"
+              ", ".join(f"{get(p, 'results.peer')} {fmt(get(p, 'results.peer_tok_s'))} "
+                        f"({short_id(p)}{spot_text(p)}{peer_clock(p)})"
                         for (cfg, _), p in sorted(peers.items(), key=lambda kv: str(kv[0])) if cfg == key) or "—"]
              for key, r in sorted(ours.items(), key=lambda kv: config_order(kv[0]))], cite(used)))
     return s
