@@ -11,6 +11,7 @@ fails on a non-finite value, so an element a kernel forgets to write can never p
 never compiles a kernel, so one test also compiles them all for the H200 (sm_90) with Triton's bundled
 ptxas, which needs no GPU, and bounds their register spills.
 """
+import json
 import os
 
 import torch
@@ -647,6 +648,14 @@ def launched(fn, sig: dict, consts: dict, values: dict) -> tuple[dict, dict, dic
     return sig, consts, attrs
 
 
+KDA_ROWS = 3 * 32 * 128 + 2 * 128 + 32      # the KDA layer's packed q|k|v|f_a|g_a|b projection output
+# the decode kernel's arguments in the bf16 model, and the values of its int ones (the packed projection's row strides)
+DECODE_SIG = {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], "*bf16"), "A_log": "*fp32", "dt_bias": "*fp32",
+              "b_raw": "*bf16", "state": "*fp32", "o": "*bf16", "out_gate": "*bf16", "norm_w": "*bf16",
+              **dict.fromkeys(["S_X", "S_F", "S_B", "S_G"], "i32"), "arrivals": "*i32", "scale": "fp32", "eps": "fp32"}
+DECODE_INTS = dict(S_X=KDA_ROWS, S_F=32 * 128, S_B=KDA_ROWS, S_G=32 * 128)
+
+
 def sm90_spills() -> dict:
     """Compile each kernel at the model's shapes (32 heads of 128, bf16) for sm_90: bytes of stack
     (register spills) per thread, by kernel; `broken` is None when the deliberately broken twin of
@@ -688,11 +697,9 @@ def sm90_spills() -> dict:
     # (tokens T of a prefill, rows N) at a multiple of 16 and at one that is not, as the launcher builds one
     # kernel for each; rows also at 1 (decode), which it builds as a constant.
     Ts = (8192, 1000)
-    kda_rows = 3 * 32 * 128 + 2 * 128 + 32      # the KDA layer's packed q|k|v|f_a|g_a|b projection output
     mla_rows = 32 * 192 + 512 + 64             # the MLA layer's packed q|kv_a output
     L = 2048                                   # an MLA cache buffer's positions (strides L*512, L*64)
     mla_ints = dict(s_qpe_b=mla_rows, s_qpe_h=192, s_c_b=L * 512, s_c_l=512, s_kpe_b=L * 64, s_kpe_l=64)
-    decode_ints = dict(S_X=kda_rows, S_F=32 * 128, S_B=kda_rows, S_G=32 * 128)
 
     def chunk_prep(io, prec, bf16_dots):
         """The chunk prep kernel at the default tiles, q/k/v and its outputs of pointer type io (g fp32 or io)."""
@@ -714,16 +721,12 @@ def sm90_spills() -> dict:
                                 PREC=prec, BF16_DOTS=bf16_dots, COMPILED=True, STAGES=c["scan_stages"]),
                            [dict(T=T, NT=triton.cdiv(T, c["chunk"])) for T in Ts], num_warps=c["scan_warps"])
 
-    decode_sig = {**dict.fromkeys(["qkv", "taps", "conv_w", "f"], bf), "A_log": f32, "dt_bias": f32, "b_raw": bf,
-                  "state": f32, "o": bf, "out_gate": bf, "norm_w": bf,
-                  **dict.fromkeys(["S_X", "S_F", "S_B", "S_G"], "i32")}
     out = {
         "prep": chunk_prep(bf, "tf32", kc.CONFIG["prep_dots"] == "bf16"),
         "scan": chunk_scan(bf, "tf32", kc.CONFIG["scan_dots"] == "bf16"),
-        "decode": stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32",
-                                                      "eps": "fp32"},
+        "decode": stack_bytes(kd._kda_decode_kernel, DECODE_SIG,
                               dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False,
-                                   EARLY_O=kd.DECODE["early_o"]), decode_ints, num_warps=kd.DECODE["num_warps"]),
+                                   EARLY_O=kd.DECODE["early_o"]), DECODE_INTS, num_warps=kd.DECODE["num_warps"]),
         "norm": stack_bytes(nm._rmsnorm_kernel, {**dict.fromkeys(["x", "res", "gate", "weight", "y", "res_out"], bf),
                                                  "N": "i32", "stride_x": "i32",
                                                  "eps": "fp32"},
@@ -745,13 +748,13 @@ def sm90_spills() -> dict:
     # the other decode grids at the configs of bench_kernels' DECODE_SWEEP: the largest spill of each
     # one program per head (BV = D), which normalises o in registers and shifts the taps without the counter
     out["decode_whole"] = max(
-        stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
-                    dict(H=32, D=128, W=4, WP=4, BV=128, HAS_NORM=norm, ADJACENT=False, EARLY_O=False), decode_ints,
+        stack_bytes(kd._kda_decode_kernel, DECODE_SIG,
+                    dict(H=32, D=128, W=4, WP=4, BV=128, HAS_NORM=norm, ADJACENT=False, EARLY_O=False), DECODE_INTS,
                     num_warps=4)
         for norm in (True, False))
     out["decode_adjacent"] = max(
-        stack_bytes(kd._kda_decode_kernel, {**decode_sig, "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
-                    dict(H=32, D=128, W=4, WP=4, BV=bv, HAS_NORM=True, ADJACENT=True, EARLY_O=e), decode_ints,
+        stack_bytes(kd._kda_decode_kernel, DECODE_SIG,
+                    dict(H=32, D=128, W=4, WP=4, BV=bv, HAS_NORM=True, ADJACENT=True, EARLY_O=e), DECODE_INTS,
                     num_warps=nw)
         for bv, nw, e in ((8, 2, False), (16, 4, False), (32, 4, False), (32, 1, True), (32, 2, True)))
     from model.triton import moe
@@ -773,10 +776,9 @@ def sm90_spills() -> dict:
     out["moe_down_fp32_bf16"] = stack_bytes(
         moe._moe_expert_down_kernel, {**dn_sig, **{n: mixed[n] for n in dn_sig if n in mixed}},
         dict(D=D, I=I, K=K, KP=K, SHARED=True, BLOCK_D=dn["BLOCK_D"], BLOCK_I=dn["BLOCK_I"], PDL=True), num_warps=dn["num_warps"])
-    out["decode_fp32"] = stack_bytes(kd._kda_decode_kernel, {**{n: (f32 if t == bf else t) for n, t in decode_sig.items()},
-                                                             "arrivals": "*i32", "scale": "fp32", "eps": "fp32"},
+    out["decode_fp32"] = stack_bytes(kd._kda_decode_kernel, {n: (f32 if t == bf else t) for n, t in DECODE_SIG.items()},
                                      dict(H=32, D=128, W=4, WP=4, BV=kd.DECODE["BV"], HAS_NORM=True, ADJACENT=False,
-                                          EARLY_O=kd.DECODE["early_o"]), decode_ints,
+                                          EARLY_O=kd.DECODE["early_o"]), DECODE_INTS,
                                      num_warps=kd.DECODE["num_warps"])
     out["moe_route"] = stack_bytes(moe._moe_route_kernel, {"logits_ptr": f32, "bias_ptr": f32, "idx_ptr": "*i64",
                                                           "w_ptr": f32, "scaling": "fp32"},
@@ -857,7 +859,7 @@ def sm90_spills() -> dict:
                                                           "C": "i32", "stride_xb": "i64", "stride_xt": "i64"},
                               dict(W=4, HAS_TAPS=True, BT=conv.CONFIG["BT"], BC=conv.CONFIG["BC"],
                                    STEP=conv.CONFIG["STEP"], LIBDEVICE=True),
-                              [dict(T=T, C=3 * 32 * 128, stride_xb=T * kda_rows, stride_xt=kda_rows) for T in Ts],
+                              [dict(T=T, C=3 * 32 * 128, stride_xb=T * KDA_ROWS, stride_xt=KDA_ROWS) for T in Ts],
                               num_warps=conv.CONFIG["num_warps"])
     out["moe_combine"] = stack_bytes(moe_combine._moe_combine_kernel, {"out": bf, "slot": "*i64", "w": f32,
                                                                       "shared": bf, "y": bf, "D": "i32"},
@@ -955,6 +957,42 @@ def test_kernels_compile_for_the_h200():
     assert spills["conv"] == 0 and spills["moe_combine"] == 0 and spills["moe_dispatch"] == 0, spills
     assert spills["moe_grouped_gate_up"] == 0 and spills["moe_grouped_down"] == 0, spills
     assert spills["silu_mul"] == 0 and spills["kda_gate"] == 0, spills
+
+
+def decode_cluster_build(num_ctas: int) -> str:
+    """Build the decode kernel as one program a head (BV = D, the default) for sm_90 with `num_ctas` CTAs a
+    program (a thread-block cluster): 'built' or 'failed'."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from model.triton import kda_decode as kd
+    s, c, attrs = launched(kd._kda_decode_kernel, DECODE_SIG, dict(H=32, D=128, W=4, WP=4, BV=128, HAS_NORM=True,
+                                                                   ADJACENT=False, EARLY_O=False), DECODE_INTS)
+    try:
+        triton.compile(ASTSource(kd._kda_decode_kernel, s, c, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=kd.DECODE["num_warps"], num_ctas=num_ctas))
+    except RuntimeError:  # which pass failed, MLIR says on the process's stderr
+        return "failed"
+    return "built"
+
+
+def test_the_decode_kernel_cannot_be_built_as_a_cluster_yet():
+    """A trip-wire for issue 4's batch-1 target. The output norm needs a head's whole row of o. Split over several
+    SMs, a head hands its row over through global memory; one cluster of CTAs a head could sum it through
+    distributed shared memory instead. Triton 3.6 cannot build this kernel so: its CTA planning pass fails (a
+    minimal 2-D reduce fails there too). When this test fails, the installed Triton builds it: try the cluster
+    (docs/RESULTS.md, "Missed, issue 4"). The control, one CTA, must build in the same child."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import json, tests.test_triton_kda as t; "
+            "print(json.dumps([t.decode_cluster_build(1), t.decode_cluster_build(2)]))")
+    child = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert child.returncode == 0, child.stderr[-4000:]
+    one, two = json.loads(child.stdout.strip().splitlines()[-1])
+    assert one == "built", f"the control did not build: {child.stderr[-4000:]}"
+    assert two == "failed", "a cluster of 2 CTAs built: the installed Triton can now make it"
+    assert "TritonGPUPlanCTAPass" in child.stderr, f"the cluster failed elsewhere: {child.stderr[-4000:]}"
 
 
 def test_offline_builds_specialise_ints_as_the_launcher_does():

@@ -38,7 +38,7 @@ together and writes both (one round trip; before, the taps' round trip, then the
 own v taps, the others after reporting in. Meant to bring the split configs under one program a head at batch 1,
 where the whole-head program moves 64 KB of state each way through each of 32 SMs; not yet timed on the H200.
 A cluster of CTAs a head (num_ctas=2, the norm's sum through distributed shared memory) does not compile in Triton
-3.6 (its CTA planning fails on this kernel's reductions).
+3.6 (its CTA planning fails on this kernel's reductions; a test holds that, so that a Triton that builds it shows).
 """
 from __future__ import annotations
 
