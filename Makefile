@@ -48,11 +48,13 @@ $(VENV)/.installed: pyproject.toml
 # The CPU tests on any box: the GPU hidden, so that tests/conftest.py runs the Triton kernels through Triton's
 # interpreter as on CI (on a GPU box they would otherwise be compiled, and these tests hold interpreter-run kernels
 # to their bits and hand them CPU tensors). The GPU tests: test-gpu.
+# TESTS: the files (or node ids) to run, all by default; e.g. a share of test-gpu that fits a time-limited call
+TESTS ?= tests
 test: $(SETUP)
-	CUDA_VISIBLE_DEVICES= $(PY) -m pytest tests -m "not gpu"
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest $(TESTS) -m "not gpu"
 
 test-gpu: $(SETUP)
-	$(PY) -m pytest tests -m gpu
+	$(PY) -m pytest $(TESTS) -m gpu
 
 gate-a: $(SETUP)
 	$(PY) -m gates gate-a $(GATE_FLAGS)
