@@ -36,7 +36,8 @@ then the step, less the projections alone) it took 7.00 us against 6.72 plain, f
 The counter path's tail since c2959e6: after the atomic, the last block reads the q and k taps and the row of o
 together and writes both (one round trip; before, the taps' round trip, then the o row's), and each block moves its
 own v taps, the others after reporting in. Meant to bring the split configs under one program a head at batch 1,
-where the whole-head program moves 64 KB of state each way through each of 32 SMs; not yet timed on the H200.
+where the whole-head program moves 64 KB of state each way through each of 32 SMs. Level with it, not under it:
+5.97 us at best (32 columns, one warp, adjacent, early_o; `43c0b5c6`) against 6.02 (`05fb11f6`), sweep of 2a19018.
 A cluster of CTAs a head (num_ctas=2, the norm's sum through distributed shared memory) does not compile in Triton
 3.6 (its CTA planning fails on this kernel's reductions; a test holds that, so that a Triton that builds it shows).
 """
