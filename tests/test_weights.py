@@ -5,18 +5,21 @@ CPU, tiny preset; the 48B preset only through names, shapes and a few single ten
 import importlib.util
 import json
 import math
+import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
 from safetensors.torch import load_file, save_file
 
+import model.weights
 from model.checkpoint import (FP32_HELD, CheckpointError, INDEX_FILE, check_checkpoint, internal_names, load_checkpoint,
                               original_names, save_checkpoint, to_internal, to_original)
 from model.config import PRESETS, ConfigError
-from model.weights import fingerprint, synthetic_tensor, synthetic_weights
+from model.weights import fingerprint, synthetic_tensor, synthetic_weights, weights_id
 
 TINY, BIG = PRESETS["tiny"], PRESETS["48b-a3b"]
 FP32_KEPT = ("A_log", "dt_bias", "e_score_correction_bias")
@@ -279,6 +282,52 @@ def test_fingerprint_sees_any_change():
     renamed = dict(sd)
     renamed["model.norm.weight2"] = renamed.pop("model.norm.weight")
     assert fingerprint(renamed) != fp
+
+
+def test_weights_id_is_the_checkpoint_dtypes_fingerprint_and_refuses_what_they_cannot_hold(monkeypatch):
+    """The id of fp32 weights is the fingerprint of their bf16 checkpoint values; a value bf16 cannot hold is refused
+    with its tensor's name, wherever it lies (here in the last slice of the check, made 16 elements long)."""
+    monkeypatch.setattr(model.weights, "_CHECK_CHUNK", 16)
+    sd32 = synthetic_weights(TINY, seed=0, dtype=torch.float32)
+    assert weights_id(sd32, TINY) == weights_id(synthetic_weights(TINY, seed=0, dtype=torch.bfloat16), TINY)
+    name = "model.embed_tokens.weight"  # 512 x 64: 2,048 slices of 16
+    sd32[name].view(-1)[-1] += 2.0 ** -20  # beside a value near N(0, 1): not a bf16 value
+    with pytest.raises(ValueError, match=f"{name} .* cannot represent exactly"):
+        weights_id(sd32, TINY)
+
+
+# The child of the test below: an fp32 state of 16 dense layers (3 x 4M-element MLP weights each: 0.8 GB) whose
+# weights_id is taken; it prints the growth of the process's peak resident memory over the state's, and the bf16
+# casts' bytes.
+_CAST_PEAK_CODE = """
+import dataclasses, resource, torch
+from model.checkpoint import internal_names
+from model.config import PRESETS
+from model.weights import weights_id
+cfg = dataclasses.replace(PRESETS["tiny"], hidden_size=512, intermediate_size=8192, num_hidden_layers=16,
+                          kda_layers=tuple(i for i in range(1, 17) if i % 4), full_attn_layers=(4, 8, 12, 16),
+                          first_k_dense_replace=16)
+state = {n: torch.ones(shape, dtype=torch.float32) for n, (shape, _) in internal_names(cfg).items()}
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+weights_id(state, cfg)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+print(grew, sum(t.numel() * 2 for t in state.values()))
+"""
+
+
+def test_weights_id_holds_one_cast_at_a_time():
+    """weights_id casts each tensor when the fingerprint reads it: the peak grows by one tensor's cast and the
+    slices its check and the fingerprint's sums make (73 MB when written), not by every cast (409 MB here; 3.7 GiB of
+    GPU memory for the 48B model in fp32, `model.weights._AsStored`; casting them all first grew it by 0.85 GB).
+    Measured in a child process by its peak resident memory, which only grows."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.run([sys.executable, "-c", _CAST_PEAK_CODE], cwd=root, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert child.returncode == 0, child.stderr[-3000:]
+    grew, casts = map(int, child.stdout.split())
+    assert casts > 400e6
+    assert grew < casts / 3, f"peak grew by {grew / 1e6:.0f} MB while taking the id; all casts: {casts / 1e6:.0f} MB"
 
 
 # ---- save / load ----------------------------------------------------------------------------------------------
