@@ -330,6 +330,32 @@ def test_weights_id_holds_one_cast_at_a_time():
     assert grew < casts / 3, f"peak grew by {grew / 1e6:.0f} MB while taking the id; all casts: {casts / 1e6:.0f} MB"
 
 
+# The child of the test below: one fp32 weight of 128M values (512 MiB) drawn as a bf16 checkpoint value; it prints
+# the growth of the process's peak resident memory over the weight's own, and the weight's bytes.
+_FILL_PEAK_CODE = """
+import resource, torch
+from model.weights import _fill
+dst = torch.ones(1 << 27)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+_fill(dst, "normal", 1.0, torch.Generator().manual_seed(0), torch.bfloat16)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, dst.numel() * 4)
+"""
+
+
+def test_an_fp32_weight_is_drawn_in_place():
+    """An fp32 weight is drawn into itself and rounded to bf16 a slice at a time: the peak grows by the CPU draw's
+    fp64 working set (224 MB when written), not by a whole-tensor fp32 scratch and its bf16 copy besides (946 MB
+    with the old code, the negative control). On the GPU, where the draw needs no fp64 working set, that scratch
+    and copy were the load's whole transient (`model.weights._fill`)."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.run([sys.executable, "-c", _FILL_PEAK_CODE], cwd=root, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert child.returncode == 0, child.stderr[-3000:]
+    grew, held = map(int, child.stdout.split())
+    assert grew < held, f"peak grew by {grew / 1e6:.0f} MB drawing a {held / 1e6:.0f} MB weight"
+
+
 # ---- save / load ----------------------------------------------------------------------------------------------
 
 def test_save_load_round_trip(ckpt, tmp_path):
