@@ -12,12 +12,14 @@ device memory takes the whole host down with it, so the seed kept 15 GiB free at
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from model.checkpoint import layout
 from model.config import KimiConfig
 
 GiB = 1 << 30
@@ -145,7 +147,8 @@ def project_peak(cfg: KimiConfig, dtype, batch: int, context: int, prefill_chunk
 
     An upper bound by design: a projection that is too low lets a run cross the floor. Attention is assumed
     fused (SDPA/flash: no [T, T] score matrix) and logits are counted for every position of a forward in
-    fp32, as the recompute path produces them; a model that keeps only the last position peaks lower.
+    fp32, as the recompute path produces them; a model that keeps only the last position peaks lower. The load's
+    transient (one tensor's scratch) counts as a stage: it is over before the first forward.
     """
     for name, v in (("batch", batch), ("context", context)):
         if not isinstance(v, int) or v < 1:
@@ -183,6 +186,11 @@ def project_peak(cfg: KimiConfig, dtype, batch: int, context: int, prefill_chunk
         "moe": n * (2 * E * f32 + k * (3 * I + D) * s + 3 * I * s),
         "dense": n * 3 * cfg.intermediate_size * s,
         "logits": n * cfg.vocab_size * (s + f32),  # lm_head output and its fp32 copy
+        # the load, before any forward: one tensor at a time beside the allocated weights, at most 4 bytes a value
+        # of the largest (synthetic weights draw it in an fp32 scratch unless it is fp32 itself; a checkpoint's
+        # is read in its stored dtype and checked finite, a bool mask). The bf16 48B load took torch's peak to
+        # 93.65 GiB over 91.56 GiB of weights (`ae03ba1e`), more than any stage above
+        "load": max(math.prod(slot.shape) for slot in layout(cfg)[0].values()) * f32,
     }
     context_allowance = CUDA_CONTEXT_BYTES if str(device).startswith("cuda") else 0
     workspace = residual + max(stages.values()) + context_allowance

@@ -47,6 +47,13 @@ def test_projection_48b_bf16():
     assert project_peak(BIG, "float32", 1, 2048).weights_bytes == 4 * 49_122_681_728 + 2 * 26 * 256 * 2304
 
 
+def test_projection_counts_the_load():
+    """The gates' short runs (131 positions) peak while loading: one tensor's fp32 scratch beside the weights,
+    lm_head's 1.41 GiB at 48B, more than any stage of their forwards (`project_peak`'s "load")."""
+    p = project_peak(BIG, torch.bfloat16, batch=1, context=131, device="cpu")
+    assert p.workspace_bytes >= 163840 * 2304 * 4
+
+
 def _resident_bytes(model) -> int:
     """Bytes of the distinct storages behind a module's parameters and buffers (packed views counted once)."""
     storages = {}
