@@ -187,9 +187,9 @@ def project_peak(cfg: KimiConfig, dtype, batch: int, context: int, prefill_chunk
         "dense": n * 3 * cfg.intermediate_size * s,
         "logits": n * cfg.vocab_size * (s + f32),  # lm_head output and its fp32 copy
         # the load, before any forward: one tensor at a time beside the allocated weights, at most 4 bytes a value
-        # of the largest (synthetic weights draw it in an fp32 scratch unless it is fp32 itself; a checkpoint's
-        # is read in its stored dtype and checked finite, a bool mask). The bf16 48B load took torch's peak to
-        # 93.65 GiB over 91.56 GiB of weights (`ae03ba1e`), more than any stage above
+        # of the largest (a synthetic weight's fp32 scratch, unless it is fp32 itself; a checkpoint tensor in its
+        # stored dtype and its finiteness mask). The gates' short runs peak here: torch's peak was 93.65 GiB over
+        # 91.56 of weights in bf16 (`ae03ba1e`), when the load also kept a rounded copy of lm_head
         "load": max(math.prod(slot.shape) for slot in layout(cfg)[0].values()) * f32,
     }
     context_allowance = CUDA_CONTEXT_BYTES if str(device).startswith("cuda") else 0

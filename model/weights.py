@@ -112,7 +112,7 @@ def _uniform(x: torch.Tensor, lo: float, hi: float, g: torch.Generator) -> torch
 
 
 _NORMAL_CHUNK = 1 << 22  # values per fp64 Box-Muller step on a CPU (64 MiB of uniforms)
-_ROUND_CHUNK = 1 << 22  # values `_fill` rounds to the checkpoint format at a time
+_SLICE = 1 << 22  # values rounded to a checkpoint dtype, or widened back from one, at a time (16 MiB in fp32)
 
 
 def _normal(x: torch.Tensor, mean: float, std: float, g: torch.Generator) -> None:
@@ -161,7 +161,7 @@ def _fill(dst: torch.Tensor, kind: str, std: float, g: torch.Generator, fmt: tor
     if not dst.is_contiguous():
         dst.copy_(x.to(fmt))
         return
-    for d, part in zip(dst.view(-1).split(_ROUND_CHUNK), x.view(-1).split(_ROUND_CHUNK)):
+    for d, part in zip(dst.view(-1).split(_SLICE), x.view(-1).split(_SLICE)):
         d.copy_(part.to(fmt))  # to the checkpoint format, then dst's dtype
 
 
@@ -248,9 +248,6 @@ def weights_id(state, cfg: KimiConfig) -> str:
     return fingerprint(_AsStored(state, {n: dt for n, (_, dt) in kinds.items()}))
 
 
-_CHECK_CHUNK = 1 << 22  # elements a slice of the exactness check widens back at a time (16 MiB in fp32)
-
-
 class _AsStored(Mapping):
     """The tensors of `state` named in `dtypes`, each cast to its checkpoint dtype when it is read, and refused when
     the cast is not exact. `fingerprint` reads one tensor at a time, so one cast is alive at a time, and the
@@ -266,7 +263,7 @@ class _AsStored(Mapping):
         t, dt = self.state[name].detach(), self.dtypes[name]
         c = t.to(dt)
         if c.dtype != t.dtype and not all(torch.equal(a.to(t.dtype), b) for a, b in
-                                          zip(c.reshape(-1).split(_CHECK_CHUNK), t.reshape(-1).split(_CHECK_CHUNK))):
+                                          zip(c.reshape(-1).split(_SLICE), t.reshape(-1).split(_SLICE))):
             raise ValueError(f"{name} ({t.dtype}) holds values that {dt} cannot represent exactly: not "
                              f"checkpoint-valued weights, so they have no dtype-independent identity")
         return c

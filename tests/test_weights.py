@@ -287,7 +287,7 @@ def test_fingerprint_sees_any_change():
 def test_weights_id_is_the_checkpoint_dtypes_fingerprint_and_refuses_what_they_cannot_hold(monkeypatch):
     """The id of fp32 weights is the fingerprint of their bf16 checkpoint values; a value bf16 cannot hold is refused
     with its tensor's name, wherever it lies (here in the last slice of the check, made 16 elements long)."""
-    monkeypatch.setattr(model.weights, "_CHECK_CHUNK", 16)
+    monkeypatch.setattr(model.weights, "_SLICE", 16)
     sd32 = synthetic_weights(TINY, seed=0, dtype=torch.float32)
     assert weights_id(sd32, TINY) == weights_id(synthetic_weights(TINY, seed=0, dtype=torch.bfloat16), TINY)
     name = "model.embed_tokens.weight"  # 512 x 64: 2,048 slices of 16
