@@ -592,3 +592,19 @@ def test_48b_synthesis_and_fingerprint_on_gpu(tmp_path):
                        synthetic_tensor(BIG, name, seed=0, device="cuda", dtype=torch.bfloat16))
     assert fingerprint(sd) == fp
     print(f"48b synthesis {t1 - t0:.1f} s, fingerprint {t2 - t1:.2f} s, {fp}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_weights_are_the_same_drawn_in_place_or_through_a_scratch():
+    """On the GPU an fp32 weight is drawn in place and a bf16 one through an fp32 scratch (`model.weights._fill`).
+    The values must be the same either way: the 48B goldens hold one weights id for both dtypes
+    (sha256:052e87d2c1b8bc79). Checked on the tiny model and on the 48B model's largest tensor, lm_head."""
+    assert weights_id(synthetic_weights(TINY, device="cuda", dtype=torch.float32), TINY) == \
+        weights_id(synthetic_weights(TINY, device="cuda", dtype=torch.bfloat16), TINY)
+    in_place = synthetic_tensor(BIG, "lm_head.weight", device="cuda", dtype=torch.float32)
+    scratch = synthetic_tensor(BIG, "lm_head.weight", device="cuda", dtype=torch.bfloat16)
+    assert in_place.dtype == torch.float32 and scratch.dtype == torch.bfloat16
+    assert torch.equal(in_place, scratch.float())
+    other = synthetic_tensor(BIG, "lm_head.weight", seed=1, device="cuda", dtype=torch.bfloat16)
+    assert not torch.equal(in_place, other.float())  # the comparison can fail
