@@ -143,7 +143,7 @@ def _fill(dst: torch.Tensor, kind: str, std: float, g: torch.Generator, fmt: tor
     the memory projection, which counts only what the model holds: torch's peak was 93.65 GiB against 91.56 GiB
     of weights in bf16 (`ae03ba1e`; the gap is derived). In fp32 with bf16 experts the weights id added more (see
     `_AsStored`)."""
-    in_place = dst.dtype == torch.float32 and dst.is_contiguous()
+    in_place = dst.dtype == torch.float32
     x = dst if in_place else torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
     if kind == "normal":
         _normal(x, 0.0, std, g)
@@ -158,10 +158,7 @@ def _fill(dst: torch.Tensor, kind: str, std: float, g: torch.Generator, fmt: tor
         raise AssertionError(kind)
     if in_place and fmt == torch.float32:
         return
-    if not dst.is_contiguous():
-        dst.copy_(x.to(fmt))
-        return
-    for d, part in zip(dst.view(-1).split(_SLICE), x.view(-1).split(_SLICE)):
+    for d, part in zip(dst.view(-1).split(_SLICE), x.view(-1).split(_SLICE)):  # dst: a tensor or a stack's rows
         d.copy_(part.to(fmt))  # to the checkpoint format, then dst's dtype
 
 

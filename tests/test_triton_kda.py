@@ -921,17 +921,21 @@ def sm90_spills() -> dict:
     return out
 
 
-def test_kernels_compile_for_the_h200():
-    """In a child process with TRITON_INTERPRET=0, so that the kernel modules hold compilable kernels."""
-    import json
+def sm90_child(expr: str):
+    """(The JSON value of `expr`, over this module as `t`, and the stderr) of a child process with TRITON_INTERPRET=0,
+    so that the kernel modules hold compilable kernels."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = "import json, tests.test_triton_kda as t; print(json.dumps(t.sm90_spills()))"
+    code = f"import json, tests.test_triton_kda as t; print(json.dumps({expr}))"
     child = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                            env={**os.environ, "TRITON_INTERPRET": "0"})
     assert child.returncode == 0, child.stderr[-4000:]
-    spills = json.loads(child.stdout.strip().splitlines()[-1])
+    return json.loads(child.stdout.strip().splitlines()[-1]), child.stderr
+
+
+def test_kernels_compile_for_the_h200():
+    spills, _ = sm90_child("t.sm90_spills()")
     assert spills["control"] == 0 and spills["broken"] is None, "the compile check cannot tell good from bad"
     assert spills["smem_guard"] == "caught", spills["smem_guard"]
     assert spills["decode"] == 0 and spills["norm"] == spills["norm_gated"] == spills["norm_kv_a"] == 0, spills
@@ -981,18 +985,10 @@ def test_the_decode_kernel_cannot_be_built_as_a_cluster_yet():
     distributed shared memory instead. Triton 3.6 cannot build this kernel so: its CTA planning pass fails (a
     minimal 2-D reduce fails there too). When this test fails, the installed Triton builds it: try the cluster
     (docs/RESULTS.md, "Missed, issue 4"). The control, one CTA, must build in the same child."""
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ("import json, tests.test_triton_kda as t; "
-            "print(json.dumps([t.decode_cluster_build(1), t.decode_cluster_build(2)]))")
-    child = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert child.returncode == 0, child.stderr[-4000:]
-    one, two = json.loads(child.stdout.strip().splitlines()[-1])
-    assert one == "built", f"the control did not build: {child.stderr[-4000:]}"
+    (one, two), stderr = sm90_child("[t.decode_cluster_build(1), t.decode_cluster_build(2)]")
+    assert one == "built", f"the control did not build: {stderr[-4000:]}"
     assert two == "failed", "a cluster of 2 CTAs built: the installed Triton can now make it"
-    assert "TritonGPUPlanCTAPass" in child.stderr, f"the cluster failed elsewhere: {child.stderr[-4000:]}"
+    assert "TritonGPUPlanCTAPass" in stderr, f"the cluster failed elsewhere: {stderr[-4000:]}"
 
 
 def test_offline_builds_specialise_ints_as_the_launcher_does():

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -161,6 +162,16 @@ def test_synthetic_is_deterministic_per_seed_and_name():
         assert o[x].shape == o[y].shape and not torch.equal(o[x], o[y]), (x, y)
 
 
+def _child(code: str, env: dict | None = None) -> str:
+    """The output of a fresh Python process running `code` from the repository (in `env`, default this one's):
+    the tests below need a process of their own for its CPU code paths or for its peak resident memory."""
+    root = str(Path(__file__).resolve().parents[1])
+    child = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                           env={**(os.environ if env is None else env), "PYTHONPATH": root})
+    assert child.returncode == 0, child.stderr[-3000:]
+    return child.stdout
+
+
 # Child processes that take ATen's and MKL's other CPU code paths: the tiny weights' fingerprint, and (the control)
 # one of ATen's own fp32 uniform_(lo, hi) + log_ draws, which those paths change in the last bit.
 _PATHS_CODE = """
@@ -178,16 +189,10 @@ def test_synthetic_weights_are_the_same_on_every_cpu_code_path():
     under ATEN_CPU_CAPABILITY=default and MKL_CBWR=AVX (the paths an older or AMD CPU takes) they fingerprint as
     under this CPU's own. The control: ATen's plain fp32 forms do change across those paths here (on an Intel
     Xeon with AVX-512 the committed weights of 90cc8ab read sha256:35c32957752f141b only under MKL_CBWR=AVX)."""
-    import os
-    import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     seen = {}
     for extra in ({}, {"ATEN_CPU_CAPABILITY": "default"}, {"MKL_CBWR": "AVX"}):
         env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
-        child = subprocess.run([sys.executable, "-c", _PATHS_CODE], cwd=root, capture_output=True, text=True,
-                               timeout=300, env={**env, **extra, "PYTHONPATH": root})
-        assert child.returncode == 0, child.stderr[-2000:]
-        seen[tuple(extra.items())] = child.stdout.split()
+        seen[tuple(extra.items())] = _child(_PATHS_CODE, {**env, **extra}).split()
     ours = {v[0] for v in seen.values()}
     assert len(ours) == 1, seen
     if len({v[1] for v in seen.values()}) == 1:
@@ -320,12 +325,7 @@ def test_weights_id_holds_one_cast_at_a_time():
     slices its check and the fingerprint's sums make (73 MB when written), not by every cast (409 MB here; 3.7 GiB of
     GPU memory for the 48B model in fp32, `model.weights._AsStored`; casting them all first grew it by 0.85 GB).
     Measured in a child process by its peak resident memory, which only grows."""
-    import subprocess
-    root = Path(__file__).resolve().parents[1]
-    child = subprocess.run([sys.executable, "-c", _CAST_PEAK_CODE], cwd=root, capture_output=True, text=True,
-                           timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
-    assert child.returncode == 0, child.stderr[-3000:]
-    grew, casts = map(int, child.stdout.split())
+    grew, casts = map(int, _child(_CAST_PEAK_CODE).split())
     assert casts > 400e6
     assert grew < casts / 3, f"peak grew by {grew / 1e6:.0f} MB while taking the id; all casts: {casts / 1e6:.0f} MB"
 
@@ -344,15 +344,10 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, dst.nu
 
 def test_an_fp32_weight_is_drawn_in_place():
     """An fp32 weight is drawn into itself and rounded to bf16 a slice at a time: the peak grows by the CPU draw's
-    fp64 working set (224 MB when written), not by a whole-tensor fp32 scratch and its bf16 copy besides (946 MB
+    fp64 working set (224 MB when written), not by a whole-tensor fp32 scratch and its bf16 copy besides (829 to 946 MB
     with the old code, the negative control). On the GPU, where the draw needs no fp64 working set, that scratch
     and copy were the load's whole transient (`model.weights._fill`)."""
-    import subprocess
-    root = Path(__file__).resolve().parents[1]
-    child = subprocess.run([sys.executable, "-c", _FILL_PEAK_CODE], cwd=root, capture_output=True, text=True,
-                           timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
-    assert child.returncode == 0, child.stderr[-3000:]
-    grew, held = map(int, child.stdout.split())
+    grew, held = map(int, _child(_FILL_PEAK_CODE).split())
     assert grew < held, f"peak grew by {grew / 1e6:.0f} MB drawing a {held / 1e6:.0f} MB weight"
 
 
