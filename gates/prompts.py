@@ -6,13 +6,16 @@ question, numbers, a dialogue, multilingual text (Han runs, accents, Cyrillic: o
 and multi-byte UTF-8), and repetition (a long self-similar context stresses the recurrent state).
 
 Text becomes ids one of two ways:
-- a checkpoint directory with a `tiktoken.model`: Kimi's tokenizer (`gates.tokenizer`), BOS first;
+- a checkpoint directory with a `tiktoken.model`: Kimi's tokenizer (`gates.tokenizer`), BOS first; a
+  `tiktoken.model` in any form (a dangling link, a link out of the directory, a folder, a fifo) counts, so one
+  that is no usable file is refused by name rather than passed over;
 - otherwise (synthetic presets, or a checkpoint written without a tokenizer): `synthetic_ids`, a fixed
   byte mapping, BOS first. Synthetic weights have no vocabulary to respect, so the mapping only has to be
   deterministic, stay inside the ordinary ids and spread the prompt over the embedding table.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +74,7 @@ class Battery:
 
 def battery(cfg: KimiConfig, model_dir: str | Path | None = None, prompts=PROMPTS) -> Battery:
     """The prompts as ids for this model: with the checkpoint's tokenizer when it has one."""
-    if model_dir is not None and (Path(model_dir) / TOKENIZER_FILE).is_file():
-        tok = KimiTokenizer(Path(model_dir) / TOKENIZER_FILE, cfg.vocab_size, cfg.bos_token_id)
+    if model_dir is not None and os.path.lexists(Path(model_dir) / TOKENIZER_FILE):
+        tok = KimiTokenizer(Path(model_dir), cfg.vocab_size, cfg.bos_token_id)  # the folder: its file must lie in it
         return Battery([tok.encode(p) for p in prompts], f"tiktoken:{tok.path}")
     return Battery([synthetic_ids(p, cfg) for p in prompts], "synthetic-bytes")

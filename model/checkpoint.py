@@ -18,6 +18,7 @@ bf16 throughout, except `A_log`, `dt_bias` and `e_score_correction_bias`, which 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import KimiConfig
+from .config import KimiConfig, checked_file, parse_json, read_file
 
 
 class CheckpointError(ValueError):
@@ -39,6 +40,9 @@ FP32_KEPT = ("A_log", "dt_bias", "e_score_correction_bias")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # HF's default shard size; the original has 20 shards of ~4.6 GiB
+# The 48B model's index names 20,493 tensors in ~2 MB; an index past this is no checkpoint's (even the
+# config.MAX_TENSORS = 2^18 tensors' names and shard names fit in ~30 MB).
+MAX_INDEX_BYTES = 64 << 20
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
@@ -168,9 +172,14 @@ def storage_dtype(name: str, original_dtype: torch.dtype, dtype: torch.dtype,
     return dtype
 
 
+def _name(n: str, limit: int = 120) -> str:
+    """A tensor or shard name for a one-line message: as it is, or quoted and cut when long or unprintable."""
+    return n if len(n) <= limit and n.isprintable() else repr(n[:limit]) + ("..." if len(n) > limit else "")
+
+
 def _listing(names, limit: int = 10) -> str:
     names = list(names)
-    head = ", ".join(names[:limit])
+    head = ", ".join(_name(n) for n in names[:limit])
     return head if len(names) <= limit else f"{head} (and {len(names) - limit:,} more)"
 
 
@@ -225,28 +234,33 @@ def to_original(internal: Mapping[str, torch.Tensor], cfg: KimiConfig) -> dict[s
 def _weight_map(path: Path) -> dict[str, str]:
     """tensor name -> shard file name, from the index, or from the single model.safetensors."""
     index, single = path / INDEX_FILE, path / SINGLE_FILE
-    if index.is_file() and single.is_file():
+    has_index, has_single = os.path.lexists(index), os.path.lexists(single)  # any form counts; reading refuses
+    if has_index and has_single:
         raise CheckpointError(f"{path} holds both {INDEX_FILE} and {SINGLE_FILE}; which one is the checkpoint is ambiguous")
-    if single.is_file():
+    if has_single:
         with _open(single, "cpu") as f:
             return {n: SINGLE_FILE for n in f.keys()}
-    if not index.is_file():
+    if not has_index:
         raise CheckpointError(f"{path} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
-    try:
-        wm = json.loads(index.read_text()).get("weight_map")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise CheckpointError(f"{index} is not a JSON object with a weight_map: {e}") from e
+    d = parse_json(index, read_file(index, MAX_INDEX_BYTES, CheckpointError), CheckpointError)
+    if not isinstance(d, dict) or "weight_map" not in d:
+        raise CheckpointError(f"{index} must hold a JSON object with a weight_map, got "
+                              f"{'an object without one' if isinstance(d, dict) else type(d).__name__}")
+    wm = d["weight_map"]
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names (strings)")
-    outside = sorted({v for v in wm.values() if Path(v).name != v or v in ("", ".", "..")})
+    outside = sorted({v for v in wm.values() if Path(v).name != v or v in ("", ".", "..") or "\0" in v})
     if outside:
         raise CheckpointError(f"{index} names shards outside the checkpoint directory: {_listing(outside)}")
     return wm
 
 
 def _open(file: Path, device: str):
+    """`safe_open` on a regular file inside the checkpoint directory (`config.checked_file`: a link out of it, a
+    dangling link or a fifo is refused by name rather than followed or blocked on)."""
+    target = checked_file(file, CheckpointError)
     try:
-        return safe_open(str(file), framework="pt", device=device)
+        return safe_open(str(target), framework="pt", device=device)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read shard {file.name} in {file.parent}: {e}") from e
 
@@ -254,7 +268,7 @@ def _open(file: Path, device: str):
 def _check_shards(path: Path, by_shard: dict[str, list[str]], slots: dict[str, Slot], indexed: bool) -> None:
     """Every shard exists, holds exactly the tensors the index gives it, each with the expected shape and dtype.
     Reads headers only, so a bad checkpoint fails before any weight is loaded."""
-    absent = [s for s in by_shard if not (path / s).is_file()]
+    absent = [s for s in by_shard if not os.path.lexists(path / s)]
     if absent:
         raise CheckpointError("missing shard file(s) in {}: {}".format(path, "; ".join(
             f"{s} (should hold {len(by_shard[s]):,} tensors: {_listing(by_shard[s])})" for s in absent)))
@@ -288,7 +302,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
 
     Reads only data: `config.json` (through `KimiConfig.from_json`; an `auto_map` entry is ignored and no .py
     file of the directory is ever imported or executed), `model.safetensors.index.json` or a single
-    `model.safetensors`, and the shards through memory-mapped `safe_open`. Before any weight is read, every
+    `model.safetensors`, and the shards through memory-mapped `safe_open`: each a regular file inside the directory
+    (a link is followed only to a file inside it, `config.checked_file`). Before any weight is read, every
     name, shape and dtype is held against `original_names(cfg)`; after loading, every tensor must be finite.
     Anything wrong raises `CheckpointError` (a bad config.json: `ConfigError`) naming the file and tensors.
 
@@ -359,7 +374,7 @@ def _headers(path: Path) -> tuple[KimiConfig, tuple, dict[str, str], dict[str, l
     for n in slots:
         by_shard.setdefault(weight_map[n], []).append(n)
     by_shard = dict(sorted(by_shard.items()))
-    _check_shards(path, by_shard, slots, indexed=not (path / SINGLE_FILE).is_file())
+    _check_shards(path, by_shard, slots, indexed=not os.path.lexists(path / SINGLE_FILE))
     return cfg, shapes, weight_map, by_shard
 
 

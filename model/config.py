@@ -1,4 +1,5 @@
-"""Kimi-Linear configuration: read the original checkpoint's config.json, validate it, presets.
+"""Kimi-Linear configuration: read the original checkpoint's config.json, validate it, presets; and the checks
+every file of a checkpoint directory is read through (`checked_file`, `read_file`, `parse_json`).
 
 The original format numbers layers from 1 in `linear_attn_config.{kda_layers,full_attn_layers}`;
 internally every layer index is 0-based.
@@ -6,8 +7,11 @@ internally every layer index is 0-based.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +26,15 @@ class ConfigError(ValueError):
 MAX_SIZE = 1 << 20
 SIZE_LIMITS = {"num_hidden_layers": 4096, "num_experts": 1 << 16, "num_experts_per_token": 1 << 16,
                "num_attention_heads": 4096, "kda_num_heads": 4096, "conv_kernel_size": 64, "vocab_size": 1 << 24}
+# Sizes that are each under their limit can still multiply to an absurd model. The checkpoint's parameter and
+# tensor counts, computed from the fields alone (`KimiConfig.checkpoint_size`), are bounded too, before anything is
+# built from them: about 4x the 48b-a3b preset's 49.1e9 parameters (2e11 is 400 GB in bf16, past every GPU and most
+# hosts), and about 13x its 20,493 tensors (a name table of 2^18 tensors takes ~100 MB and ~1 s to build). No
+# single tensor can exceed the parameter bound, so no per-tensor bound is needed.
+MAX_PARAMS = 2 * 10**11
+MAX_TENSORS = 1 << 18
+MAX_MODEL_MAX_LENGTH = 1 << 40  # a context length; read and written back, used by nothing here
+MAX_CONFIG_BYTES = 1 << 20  # the real config.json is ~3 KB
 
 # The JSON types config.json's fields must have (where present): a string where a number belongs, or a null, is
 # refused by name here rather than failing later inside float() or a comparison.
@@ -39,9 +52,52 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_finite_number(v) -> bool:
+    """An int or float (not a bool) that is finite as a float: an int past float range is not."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def _show(v, limit: int = 80) -> str:
+    """`v` as short one-line JSON for an error message: a hostile file's values may be megabytes long, nested
+    thousands deep, or integers of hundreds of digits, and none of that belongs in a message."""
+    def render(x, depth: int) -> str:
+        if isinstance(x, (list, tuple, dict)):
+            if depth == 3:
+                return "{...}" if isinstance(x, dict) else "[...]"
+            if isinstance(x, dict):
+                parts = [f"{render(str(k), depth)}: {render(w, depth + 1)}" for k, w in itertools.islice(x.items(), 8)]
+            else:
+                parts = [render(w, depth + 1) for w in x[:8]]
+            body = ", ".join(parts) + (", ..." if len(x) > 8 else "")
+            return "{" + body + "}" if isinstance(x, dict) else "[" + body + "]"
+        if _is_int(x) and x.bit_length() > 200:
+            return f"<an integer of ~{int(x.bit_length() * math.log10(2)) + 1} digits>"
+        if isinstance(x, str) and len(x) > limit:
+            x = x[:limit]
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return json.dumps(x)
+        return f"<{type(x).__name__}>"
+    out = render(v, 0)
+    return out if len(out) <= limit else out[:limit - 3] + "..."
+
+
+def _quote(v) -> str:
+    """A string as Python quotes it (short ones), anything else as `_show` gives it."""
+    return repr(v) if isinstance(v, str) and len(v) <= 80 else _show(v)
+
+
+def _or_one(v):
+    return 1 if v is None else v
+
+
 def _check_types(d: dict, lac: dict) -> None:
     def bad(where: str, v, want: str) -> ConfigError:
-        return ConfigError(f"{where} must be {want}, got {json.dumps(v)}")
+        return ConfigError(f"{where} must be {want}, got {_show(v)}")
     for k in _INTS:
         if k in d and not _is_int(d[k]):
             raise bad(f"config.{k}", d[k], "an integer")
@@ -51,8 +107,11 @@ def _check_types(d: dict, lac: dict) -> None:
     for k in _LAC_INTS:
         if k in lac and not _is_int(lac[k]):
             raise bad(f"linear_attn_config.{k}", lac[k], "an integer")
+    for k in ("kda_layers", "full_attn_layers"):  # a bool is an int to Python: true would pass as layer 1
+        if not all(_is_int(i) for i in lac[k]):
+            raise bad(f"linear_attn_config.{k}", lac[k], "a list of integers (1-based layer numbers)")
     for k in _NUMBERS:
-        if k in d and not ((_is_int(d[k]) or isinstance(d[k], float)) and math.isfinite(d[k])):
+        if k in d and not _is_finite_number(d[k]):
             raise bad(f"config.{k}", d[k], "a finite number")
     for k in _BOOLS:
         if k in d and not isinstance(d[k], bool):
@@ -60,6 +119,105 @@ def _check_types(d: dict, lac: dict) -> None:
     eos = d.get("eos_token_id", 0)
     if not (_is_int(eos) or (isinstance(eos, list) and eos and all(_is_int(t) for t in eos))):
         raise bad("config.eos_token_id", eos, "an integer or a non-empty list of integers")
+
+
+# ---- reading a checkpoint directory's files ---------------------------------------------------------------
+# Loading never follows a symbolic link out of the folder it was given, and opens only regular files: a link
+# is followed only to a file inside the folder, and a dangling link, a directory, a fifo or a device is refused
+# by name. A file is opened only once it is known to be regular (and non-blocking), so a fifo cannot hang a
+# load, and its size is checked on the open file before it is read whole.
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def checked_file(file: str | Path, error: type[ValueError], folder: str | Path | None = None) -> Path:
+    """`file` as a path to a regular file inside `folder` (default: the folder `file` names as its parent):
+    the link's target when `file` is a link that stays inside. Anything else raises `error` naming `file`."""
+    file = Path(file)
+    folder = file.parent if folder is None else Path(folder)
+    if "\0" in str(file):
+        raise error(f"{_show(str(file))}: a file name holds a NUL byte")
+    target, via = file, ""
+    try:
+        st = os.lstat(file)
+        if stat.S_ISLNK(st.st_mode):
+            target, root = Path(os.path.realpath(file)), os.path.realpath(folder)
+            if os.path.commonpath([root, target]) != root:
+                raise error(f"{file} is a symbolic link to {target}, outside {folder}: a file of the checkpoint "
+                            f"must lie inside its directory (loading follows no link out of it)")
+            if not os.path.exists(target):
+                raise error(f"{file} is a dangling symbolic link (to {target}, which does not resolve to a file): "
+                            f"expected a regular file")
+            st, via = os.stat(target), f"a symbolic link to {target}, "
+    except OSError as e:
+        raise error(f"cannot read {file}: {e.strerror or e}") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{file} is {via}{_kind(st.st_mode)}: expected a regular file")
+    return target
+
+
+def read_file(file: str | Path, cap: int, error: type[ValueError], folder: str | Path | None = None) -> bytes:
+    """The bytes of `file` (checked by `checked_file`), refused with `error` naming it when past `cap` bytes."""
+    target = checked_file(file, error, folder)
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise error(f"cannot read {file}: {e.strerror or e}") from e
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # replaced since checked_file looked
+            raise error(f"{file} is {_kind(st.st_mode)}: expected a regular file")
+        if st.st_size > cap:
+            raise error(f"{file} is {st.st_size:,} bytes, past the {cap:,}-byte limit for a {Path(file).name}")
+        data = f.read(cap + 1)
+    if len(data) > cap:  # grew since fstat
+        raise error(f"{file} is over {cap:,} bytes, past the limit for a {Path(file).name}")
+    return data
+
+
+MAX_JSON_INT_DIGITS = 1000  # an integer literal past this is no size, id or count (Python parses up to 4,300)
+
+
+def _json_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_JSON_INT_DIGITS:
+        raise ValueError(f"an integer literal of {digits:,} digits (at most {MAX_JSON_INT_DIGITS:,} expected)")
+    return int(text)
+
+
+def _json_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number (RFC 8259); expected a finite number")
+
+
+def _json_object(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {_show(dup)} appears twice in one object; expected unique keys")
+    return d
+
+
+def parse_json(file: str | Path, data: bytes, error: type[ValueError]):
+    """`data`, the bytes of `file`, as strict JSON: UTF-8, no NaN or Infinity, no key twice in an object, no
+    integer of more than 1,000 digits, nesting only as deep as the parser's recursion allows. Else `error`
+    naming the file."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{file} is not UTF-8 text: byte {data[e.start]:#04x} at offset {e.start:,} ({e.reason}); "
+                    f"expected UTF-8 JSON") from e
+    try:
+        return json.loads(text, parse_int=_json_int, parse_constant=_json_constant, object_pairs_hook=_json_object)
+    except RecursionError as e:
+        raise error(f"{file} nests JSON arrays or objects too deeply to parse; expected a flat JSON object") from e
+    except ValueError as e:  # json.JSONDecodeError and the hooks' refusals
+        raise error(f"{file} is not valid JSON: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -132,44 +290,98 @@ class KimiConfig:
     def kda_dim(self) -> int:
         return self.kda_head_dim * self.kda_num_heads
 
+    def _param_terms(self) -> dict[str, int]:
+        """The checkpoint's parameters by part, from the sizes alone (the tensor list of SPEC §1)."""
+        D, W, V = self.hidden_size, self.conv_kernel_size, self.vocab_size
+        H, d, Hd = self.kda_num_heads, self.kda_head_dim, self.kda_dim
+        nh, r, rope = self.num_attention_heads, self.kv_lora_rank, self.qk_rope_head_dim
+        E, Im = self.num_experts, self.moe_intermediate_size
+        L, n_moe = self.num_hidden_layers, self.num_hidden_layers - self.first_k_dense_replace
+        kda = 3 * Hd * D + 3 * Hd * W + 2 * (d * D + Hd * d) + H * D + H + Hd + d + D * Hd
+        mla = nh * self.qk_head_dim * D + (r + rope) * D + r + nh * (self.qk_nope_head_dim + self.v_head_dim) * r \
+            + D * nh * self.v_head_dim
+        return {
+            "embed_tokens and lm_head (2 x vocab_size x hidden_size)": 2 * V * D,
+            "routed experts (MoE layers x num_experts x 3 x moe_intermediate_size x hidden_size)":
+                n_moe * E * 3 * Im * D,
+            "routers and shared experts (MoE layers x (num_experts + num_shared_experts x 3 x moe_intermediate_size) "
+            "x hidden_size)": n_moe * (E * D + E + self.num_shared_experts * 3 * Im * D),
+            "dense MLPs (first_k_dense_replace x 3 x intermediate_size x hidden_size)":
+                self.first_k_dense_replace * 3 * self.intermediate_size * D,
+            "KDA layers (kda_layers x ~4 x kda_num_heads x kda_head_dim x hidden_size)": len(self.kda_layers) * kda,
+            "MLA layers (full_attn_layers x ~num_attention_heads x head dims x hidden_size)":
+                len(self.full_attn_layers) * mla,
+            "norms (2 per layer and a final one, x hidden_size)": (2 * L + 1) * D,
+        }
+
+    def checkpoint_size(self) -> tuple[int, int]:
+        """(parameters, tensors) of the original checkpoint: what `model.checkpoint.layout` lists, counted from the
+        sizes without building anything, so that `validate` can refuse an absurd product of sizes first."""
+        n_moe = self.num_hidden_layers - self.first_k_dense_replace
+        tensors = (3 + 17 * len(self.kda_layers) + 7 * len(self.full_attn_layers) + 3 * self.first_k_dense_replace
+                   + n_moe * (2 + 3 * self.num_experts + 3 * bool(self.num_shared_experts)))
+        return sum(self._param_terms().values()), tensors
+
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> "KimiConfig":
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ConfigError(msg)
 
+        def num(v: int) -> str:
+            return f"{v:,}" if v.bit_length() <= 200 else _show(v)
+
         for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                   "qk_nope_head_dim", "v_head_dim", "kda_head_dim", "kda_num_heads", "conv_kernel_size",
                   "num_experts", "num_experts_per_token", "moe_intermediate_size", "intermediate_size"):
             v = getattr(self, f)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"config.{f} must be a positive integer, got {v!r}")
-            need(v <= SIZE_LIMITS.get(f, MAX_SIZE), f"config.{f} = {v:,} is past any plausible model "
+            need(_is_int(v) and v > 0, f"config.{f} must be a positive integer, got {_show(v)}")
+            need(v <= SIZE_LIMITS.get(f, MAX_SIZE), f"config.{f} = {num(v)} is past any plausible model "
                  f"(limit {SIZE_LIMITS.get(f, MAX_SIZE):,}): a typo? (a config this size would exhaust memory "
                  f"before any check of its weights could run)")
-        need(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0,
-             f"config.qk_rope_head_dim must be an integer >= 0, got {self.qk_rope_head_dim!r}")
-        need(self.q_lora_rank is None, f"config.q_lora_rank must be null for Kimi-Linear (plain q_proj), got {self.q_lora_rank!r}")
-        need(self.num_key_value_heads == self.num_attention_heads,
-             f"config.num_key_value_heads ({self.num_key_value_heads}) must equal num_attention_heads ({self.num_attention_heads})")
+        need(_is_int(self.qk_rope_head_dim) and 0 <= self.qk_rope_head_dim <= MAX_SIZE,
+             f"config.qk_rope_head_dim must be an integer in 0..{MAX_SIZE:,}, got {_show(self.qk_rope_head_dim)}")
+        need(self.q_lora_rank is None,
+             f"config.q_lora_rank must be null for Kimi-Linear (plain q_proj), got {_show(self.q_lora_rank)}")
+        need(self.num_key_value_heads == self.num_attention_heads and _is_int(self.num_key_value_heads),
+             f"config.num_key_value_heads ({_show(self.num_key_value_heads)}) must equal num_attention_heads "
+             f"({self.num_attention_heads})")
         L = self.num_hidden_layers
         for name, ids in (("kda_layers", self.kda_layers), ("full_attn_layers", self.full_attn_layers)):
-            bad = [i for i in ids if not isinstance(i, int) or not 1 <= i <= L]
-            need(not bad, f"linear_attn_config.{name} holds {bad}: layers are numbered 1..{L} (1-based)")
-            need(len(set(ids)) == len(ids), f"linear_attn_config.{name} repeats a layer: {list(ids)}")
+            bad = [i for i in ids if not _is_int(i) or not 1 <= i <= L]
+            need(not bad, f"linear_attn_config.{name} holds {_show(bad)}: layers are numbered 1..{L} (1-based)")
+            need(len(set(ids)) == len(ids), f"linear_attn_config.{name} repeats a layer: {_show(list(ids))}")
         both = set(self.kda_layers) & set(self.full_attn_layers)
-        need(not both, f"layers {sorted(both)} are listed both as kda_layers and full_attn_layers")
+        need(not both, f"layers {_show(sorted(both))} are listed both as kda_layers and full_attn_layers")
         missing = sorted(set(range(1, L + 1)) - set(self.kda_layers) - set(self.full_attn_layers))
-        need(not missing, f"layers {missing} (1-based) are in neither kda_layers nor full_attn_layers")
-        need(0 <= self.first_k_dense_replace <= L, f"config.first_k_dense_replace must lie in 0..{L}")
+        need(not missing, f"layers {_show(missing)} (1-based) are in neither kda_layers nor full_attn_layers")
+        need(_is_int(self.first_k_dense_replace) and 0 <= self.first_k_dense_replace <= L,
+             f"config.first_k_dense_replace must lie in 0..{L}, got {_show(self.first_k_dense_replace)}")
         need(self.num_experts_per_token <= self.num_experts,
              f"num_experts_per_token ({self.num_experts_per_token}) exceeds num_experts ({self.num_experts})")
-        need(self.num_expert_group == 1 and self.topk_group == 1,
-             f"only num_expert_group = topk_group = 1 (plain top-k) is supported, got {self.num_expert_group}/{self.topk_group}")
-        need(self.num_shared_experts in (0, 1), f"num_shared_experts must be 0 or 1, got {self.num_shared_experts}")
+        groups = (self.num_expert_group, self.topk_group)
+        need(all(_is_int(g) and g == 1 for g in groups),
+             f"only num_expert_group = topk_group = 1 (plain top-k) is supported, got "
+             f"{_show(groups[0])}/{_show(groups[1])}")
+        need(_is_int(self.num_shared_experts) and self.num_shared_experts in (0, 1),
+             f"num_shared_experts must be 0 or 1, got {_show(self.num_shared_experts)}")
+        params, tensors = self.checkpoint_size()
+        if params > MAX_PARAMS:
+            part, n = max(self._param_terms().items(), key=lambda kv: kv[1])
+            raise ConfigError(f"config sizes imply {params:.3g} parameters, past any plausible model (limit "
+                              f"{MAX_PARAMS:.0e}; 48b-a3b has 4.91e+10): the largest part is {part} = {n:.3g}; a typo?")
+        need(tensors <= MAX_TENSORS, f"config sizes imply {tensors:,} tensors (3 per routed expert: MoE layers x "
+             f"num_experts x 3), past any plausible model (limit {MAX_TENSORS:,}; 48b-a3b has 20,493): a typo?")
         for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, tok)
-            need(isinstance(v, int) and 0 <= v < self.vocab_size, f"config.{tok} = {v!r} lies outside the vocabulary (0..{self.vocab_size - 1})")
-        need(self.rms_norm_eps > 0, "config.rms_norm_eps must be > 0")
+            need(_is_int(v) and 0 <= v < self.vocab_size,
+                 f"config.{tok} = {_show(v)} lies outside the vocabulary (0..{self.vocab_size - 1})")
+        need(_is_finite_number(self.rms_norm_eps) and self.rms_norm_eps > 0,
+             f"config.rms_norm_eps must be a finite number > 0, got {_show(self.rms_norm_eps)}")
+        need(_is_finite_number(self.routed_scaling_factor),
+             f"config.routed_scaling_factor must be a finite number, got {_show(self.routed_scaling_factor)}")
+        need(_is_int(self.model_max_length) and 0 < self.model_max_length <= MAX_MODEL_MAX_LENGTH,
+             f"config.model_max_length must be an integer in 1..2^40, got {_show(self.model_max_length)}")
         need(not self.tie_word_embeddings, "tie_word_embeddings = true is not a Kimi-Linear layout")
         return self
 
@@ -180,7 +392,7 @@ class KimiConfig:
             raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
         mt = d.get("model_type")
         if mt != "kimi_linear":
-            raise ConfigError(f"config.json model_type is {mt!r}, expected 'kimi_linear'")
+            raise ConfigError(f"config.json model_type is {_quote(mt)}, expected 'kimi_linear'")
         lac = d.get("linear_attn_config")
         if not isinstance(lac, dict):
             raise ConfigError("config.json lacks linear_attn_config (an object with kda_layers, full_attn_layers, head_dim, num_heads)")
@@ -188,7 +400,8 @@ class KimiConfig:
             if not isinstance(lac.get(k), list):
                 raise ConfigError(f"linear_attn_config.{k} must be a list of 1-based layer numbers")
         if d.get("moe_router_activation_func", "sigmoid") != "sigmoid":
-            raise ConfigError(f"moe_router_activation_func {d['moe_router_activation_func']!r} is not supported (sigmoid only)")
+            raise ConfigError(f"moe_router_activation_func {_quote(d['moe_router_activation_func'])} is not supported "
+                              f"(sigmoid only)")
         required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token",
                     "moe_intermediate_size", "intermediate_size")
@@ -212,7 +425,8 @@ class KimiConfig:
             num_experts_per_token=d["num_experts_per_token"], num_shared_experts=d.get("num_shared_experts", 1),
             moe_intermediate_size=d["moe_intermediate_size"], moe_renormalize=d.get("moe_renormalize", True),
             routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-            num_expert_group=d.get("num_expert_group", 1) or 1, topk_group=d.get("topk_group", 1) or 1,
+            # null is HF's default (no grouping): 1 here; a 0 is kept, so validate refuses it by name
+            num_expert_group=_or_one(d.get("num_expert_group")), topk_group=_or_one(d.get("topk_group")),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
             bos_token_id=d.get("bos_token_id", 163584), eos_token_id=eos, pad_token_id=d.get("pad_token_id", 163839),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
@@ -226,15 +440,14 @@ class KimiConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "KimiConfig":
+        """A config.json, or a checkpoint directory holding one: a regular file of at most 1 MiB inside the folder
+        (`read_file`), strict JSON (`parse_json`). Every error is a `ConfigError` naming the file."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise ConfigError(f"no config.json at {path}")
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        d = parse_json(path, read_file(path, MAX_CONFIG_BYTES, ConfigError), ConfigError)
         try:
             return cls.from_dict(d, name=str(path.parent))
         except ConfigError as e:
