@@ -8,6 +8,11 @@ Writers from many processes append concurrently: each record goes out as one `os
 exclusive `flock`, so lines never interleave. A writer killed mid-line leaves a torn last line; the
 next append starts on a fresh line and `load` reports the torn one instead of failing.
 
+Every record read or written is checked by `validate_record`: the shape of each required field, a bounded nesting
+depth, and the shape of every field the report reads (a tok/s that is a number, a label that is text). `load` skips
+a line that fails, saying where and why, so no line can take the report down; `append` refuses to write one
+(`RecordError`), and a records folder or file that cannot be written raises `RecordsUnwritable`, naming the path.
+
 Non-finite floats (NaN, inf) are not valid JSON. `make_record` stores them as null, adds a reason
 naming the field, and marks the record INVALID: the record is kept (a long run is not lost at its
 last step) and can never be mistaken for a valid measurement. `append` refuses a record that still
@@ -15,13 +20,16 @@ holds one (`ValueError`), so a hand-built record cannot slip non-JSON into the f
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import json
 import math
 import os
 import platform
+import reprlib
 import socket
+import stat
 import subprocess
 import uuid
 from dataclasses import dataclass, field
@@ -33,12 +41,25 @@ import pandas as pd
 SCHEMA = 1
 # `erratum`: records are never edited; a later erratum names an earlier record (params.record) and the fields
 # of it that must not be used (params.fields), with the reason (results.reason). The report honours it.
-KINDS = frozenset({"gate_a", "gate_b", "memory", "bench", "kernel", "decomposition", "nightly", "erratum"})
+KINDS = frozenset({"gate_a", "gate_b", "memory", "bench", "kernel", "decomposition", "nightly", "erratum", "detection"})
 VERDICTS = frozenset({"VALID", "INVALID"})
 REQUIRED_FIELDS = ("schema", "id", "time", "kind", "git", "machine", "preset", "dtype", "device", "weights",
                    "params", "results", "verdict", "reasons")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+MAX_DEPTH = 32  # objects and arrays a record may nest (the suite's records nest 6 deep): bounded, so reading one
+# back can never exhaust Python's recursion limit
+TIME_YEARS = (1970, 2261)  # a record's time lies in these years: the loaded table holds times as pandas timestamps,
+# which end in 2262
+MIN_FREE_BYTES = 1 << 20  # free space `ensure_writable` asks of the records folder's file system: a few records
+
+
+class RecordError(ValueError):
+    """A record that is not of the record shape; the message names the record, the field and what was expected."""
+
+
+class RecordsUnwritable(RuntimeError):
+    """The records folder or a records file cannot be written; the message names the path and the reason."""
 
 
 def records_dir(root: str | Path | None = None) -> Path:
@@ -200,38 +221,296 @@ def make_record(kind: str, *, preset: str | None, dtype: str | None, device: str
     }
 
 
+# ---- checking a record ------------------------------------------------------------------------
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 40
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 2, 4, 4
+
+
+def _brief(x) -> str:
+    """`x` for an error message: its JSON type and a cut repr, so that a hostile value cannot flood the message."""
+    if x is None:
+        return "null"
+    kind = {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(x), type(x).__name__)
+    try:
+        text = _REPR.repr(x)
+    except ValueError:  # an integer past Python's digit limit for str()
+        text = "(too many digits to show)"
+    return f"{kind} {text}"
+
+
+def _cut(where: str, chars: int = 80) -> str:
+    """A field's dotted path for a message, on one line and cut: the keys along it come from the record and may be
+    of any length or hold any character (a newline, a lone surrogate), which are shown escaped."""
+    if not where.isprintable():
+        where = "".join(c if c.isprintable() else repr(c)[1:-1] for c in where)
+    return where if len(where) <= chars else where[:chars - 1] + "…"
+
+
+def _number(x) -> bool:
+    """A JSON number that is finite as a float (an integer of 400 digits is not: it cannot be formatted or drawn)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def _scalar(x) -> bool:
+    return x is None or isinstance(x, (bool, str)) or _number(x)
+
+
+def _erratum_field(x) -> bool:
+    """A field an erratum may void: `verdict`, `reasons`, or a field inside git, machine, params or results (the
+    report indexes every top-level field, so voiding one whole would take it down)."""
+    return isinstance(x, str) and (x in ("verdict", "reasons") or (
+        x.split(".", 1)[0] in ("git", "machine", "params", "results") and all(x.split("."))
+        and len(x.split(".")) >= 2))
+
+
+TEXT = ("a string", lambda x: isinstance(x, str))
+NUMBER = ("a finite number", _number)
+NUMBER_OR_NULL = ("a finite number or null", lambda x: x is None or _number(x))  # make_record's null for a NaN
+SCALAR = ("a string, number or boolean (it keys a group of records)", _scalar)
+OBJECT = ("an object", lambda x: isinstance(x, dict))
+ARRAY = ("an array", lambda x: isinstance(x, list))
+ERRATUM_FIELD = ("'verdict', 'reasons' or a dotted field inside git, machine, params or results", _erratum_field)
+# Every field the report (reports/render.py, targets.py, regress.py) reads, with the shape it reads it as. A field
+# may be absent or null (the report treats both as missing: a non-finite float is stored as null); where present
+# it must have this shape. `a[]` is each element of array a and `a.*` each value of object a, null included: the
+# shape says whether null is allowed there.
+FIELD_SHAPES = (
+    ("git.commit", TEXT), ("git.tree_commit", TEXT), ("machine.gpu", TEXT), ("machine.host", TEXT),
+    *((f"params.{k}", SCALAR) for k in ("phase", "batch", "impl", "peer", "run", "op", "kernel", "mode")),
+    ("params.context", NUMBER), ("params.cfg", OBJECT),
+    ("params.record", TEXT), ("params.fields", ARRAY), ("params.fields[]", ERRATUM_FIELD),
+    ("results.peer", TEXT), ("results.trace", TEXT),
+    *((f"results.{k}", NUMBER) for k in (
+        "tok_s", "peer_tok_s", "roofline_fraction", "host_launch_us", "host_kernel_launch_us", "hbm_gbps", "score",
+        "total", "ours_ms", "peer_ms", "ours_graph_ms", "peer_graph_ms", "ours_kernel_ms", "peer_kernel_ms",
+        "measured_peak_bytes", "projected_bytes", "free_before_bytes", "floor_bytes", "min_free_bytes",
+        "idle_fraction", "step_ms")),
+    *((f"results.{c}{k}", shape) for c in ("clocks", "peer_clocks") for k, shape in (
+        ("", OBJECT), (".sm_mhz_mean", NUMBER), (".sm_mhz_max", NUMBER), (".power_cap_share", NUMBER))),
+    ("results.spot_check", OBJECT), ("results.audit", OBJECT), ("results.audit.ratio", NUMBER),
+    ("results.shares", OBJECT), ("results.shares.*", NUMBER_OR_NULL),
+    ("results.exclusive_shares", OBJECT), ("results.exclusive_shares.*", NUMBER_OR_NULL),
+    ("results.samples_ms", ARRAY), ("results.samples_ms[]", NUMBER_OR_NULL),
+    ("results.diagnoses", ARRAY), ("results.diagnoses[]", OBJECT), ("results.diagnoses[].eps", NUMBER),
+    ("results.diagnoses[].ref_margin.nats", NUMBER), ("results.diagnoses[].test_margin.nats", NUMBER),
+    ("results.per_prompt", ARRAY), ("results.per_prompt[]", OBJECT), ("results.per_prompt[].noise", OBJECT),
+    ("results.per_prompt[].noise.test_noise", NUMBER), ("results.per_prompt[].noise.control_noise", NUMBER),
+    ("results.steps", OBJECT), ("results.steps.*", OBJECT), ("results.steps.*.seconds", NUMBER),
+    ("results.steps.*.tail", TEXT),
+    ("results.regressions", ARRAY), ("results.regressions[]", OBJECT), ("results.regressions[].key", ARRAY),
+)
+
+
+def _at(record: dict, path: str):
+    """(where, value) for each value at `path` (see FIELD_SHAPES): a field that is absent or null yields nothing,
+    an element of an array or a value of an object (`[]`, `*`) is yielded even when null."""
+    found = [("", record)]
+    for part in path.split("."):
+        each, name = part.endswith("[]"), part.removesuffix("[]")
+        step = []
+        for where, node in found:
+            if not isinstance(node, dict):
+                continue
+            if name == "*":
+                step += [(f"{where}.{k}", v) for k, v in node.items()]
+            elif node.get(name) is not None:
+                step.append((f"{where}.{name}", node[name]))
+        if each:
+            step = [(f"{w}[{i}]", v) for w, node in step if isinstance(node, list) for i, v in enumerate(node)]
+        found = step
+    return [(w.lstrip("."), v) for w, v in found]
+
+
+def _walk(record: dict) -> list[str]:
+    """Problems anywhere in the record: nesting past MAX_DEPTH, a NaN or inf (JSON has none), a value JSON cannot
+    carry (a set, a non-string key), a string that UTF-8 cannot carry (a lone surrogate). Iterative, so that it
+    cannot itself exhaust the recursion limit on a deep record."""
+    problems: dict[str, str] = {}
+    stack = [("", record, 0)]
+    while stack:
+        where, x, depth = stack.pop()
+        name = _cut(where.lstrip(".")) or "the record"
+        if isinstance(x, (dict, list, tuple)):
+            if depth >= MAX_DEPTH:
+                problems.setdefault("depth", f"{name} nests deeper than {MAX_DEPTH} objects and arrays; expected "
+                                             f"at most {MAX_DEPTH}")
+                continue
+            for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
+                if isinstance(x, dict) and not isinstance(k, str):
+                    problems.setdefault("key", f"{name} has a key {_brief(k)}; JSON object keys are strings")
+                elif isinstance(x, dict) and not _utf8(k):
+                    problems.setdefault("utf8", f"{name} has a key holding a lone surrogate, which UTF-8 cannot "
+                                                f"carry")
+                stack.append((f"{where}.{k}" if isinstance(x, dict) else f"{where}[{k}]", v, depth + 1))
+        elif isinstance(x, float) and not math.isfinite(x):
+            problems.setdefault("nonfinite", f"{name} holds a NaN or inf ({x}), which JSON cannot carry; "
+                                             f"make_record stores such values as null")
+        elif isinstance(x, str) and not _utf8(x):
+            problems.setdefault("utf8", f"{name} holds a lone surrogate, which UTF-8 cannot carry")
+        elif not (x is None or isinstance(x, (bool, int, float, str))):
+            problems.setdefault("type", f"{name} is a {type(x).__module__}.{type(x).__qualname__}, not a JSON value")
+    return list(problems.values())
+
+
+def _utf8(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _time_problem(t) -> str | None:
+    if not isinstance(t, str):
+        return f"time must be an ISO-8601 string with a UTC offset, got {_brief(t)}"
+    try:
+        when = datetime.fromisoformat(t)
+    except ValueError:
+        return f"time must be an ISO-8601 string with a UTC offset, got {_brief(t)}"
+    if when.utcoffset() is None:
+        return f"time {_brief(t)} has no UTC offset; expected one (the store writes UTC times)"
+    if not TIME_YEARS[0] <= when.year <= TIME_YEARS[1]:
+        return f"time {_brief(t)} is outside the years {TIME_YEARS[0]} to {TIME_YEARS[1]}"
+    return None
+
+
+def validate_record(rec) -> list[str]:
+    """What is wrong with `rec` as a record, one line per problem naming the field and what was expected; empty for
+    a record the report can read. `load` skips a line with problems, `line_of` (and so `append`) refuses one."""
+    if not isinstance(rec, dict):
+        return [f"a JSON {_brief(rec).split()[0]}, not a record object"]
+    missing = [f for f in REQUIRED_FIELDS if f not in rec]
+    if missing:
+        return [f"record lacks fields {', '.join(missing)}; build records with make_record"]
+    problems = _walk(rec)
+    if any("nests deeper" in p for p in problems):
+        return problems  # the field checks below would walk the same depth
+    if type(rec["schema"]) is not int or rec["schema"] != SCHEMA:
+        problems.append(f"schema must be {SCHEMA}, got {_brief(rec['schema'])}")
+    if not isinstance(rec["id"], str) or not rec["id"]:
+        problems.append(f"id must be a non-empty string, got {_brief(rec['id'])}")
+    if (why := _time_problem(rec["time"])) is not None:
+        problems.append(why)
+    if not isinstance(rec["kind"], str) or rec["kind"] not in KINDS:
+        problems.append(f"record kind {_brief(rec['kind'])} is unknown; known kinds: {', '.join(sorted(KINDS))}")
+    for name in ("git", "machine", "params", "results"):
+        if not isinstance(rec[name], dict):
+            problems.append(f"{name} must be an object, got {_brief(rec[name])}")
+    for name in ("preset", "dtype", "device", "weights"):
+        if rec[name] is not None and not isinstance(rec[name], str):
+            problems.append(f"{name} must be a string or null, got {_brief(rec[name])}")
+    if not isinstance(rec["verdict"], str) or rec["verdict"] not in VERDICTS:
+        problems.append(f"record verdict {_brief(rec['verdict'])} must be 'VALID' or 'INVALID'")
+    reasons = rec["reasons"]
+    if not isinstance(reasons, list) or not all(isinstance(r, str) and r for r in reasons):
+        problems.append(f"record reasons must be a list of non-empty strings, got {_brief(reasons)}")
+    elif rec["verdict"] == "INVALID" and not reasons:
+        problems.append("an INVALID record needs at least one reason")
+    for path, (expected, ok) in FIELD_SHAPES:
+        for where, value in _at(rec, path):
+            if not ok(value):
+                problems.append(f"{_cut(where)} must be {expected}, got {_brief(value)}")
+    return problems
+
+
 # ---- writing ---------------------------------------------------------------------------------
 
 def line_of(record: dict) -> bytes:
-    """The line `append` writes for `record`, or a ValueError saying why it cannot be one: a missing field, a kind
-    or verdict it does not know, a NaN (JSON has none). A batch checks every record with it before writing any."""
-    missing = [f for f in REQUIRED_FIELDS if f not in record]
-    if missing:
-        raise ValueError(f"record lacks fields {', '.join(missing)}; build records with make_record")
-    _check_kind_verdict(record["kind"], record["verdict"], record["reasons"])
+    """The line `append` writes for `record`, or a RecordError (a ValueError) saying why it cannot be one: whatever
+    `validate_record` finds (a missing field, an unknown kind, a NaN, a field of the wrong shape). A batch checks
+    every record with it before writing any."""
+    problems = validate_record(record)
+    rid = record.get("id") if isinstance(record, dict) else None
+    rid = rid if isinstance(rid, str) else "?"
+    if problems:
+        raise RecordError(f"record {rid}: {'; '.join(problems)}")
     try:
         return json.dumps(record, allow_nan=False, separators=(",", ":")).encode() + b"\n"
-    except ValueError as e:
-        raise ValueError(f"record {record['id']} holds a NaN or inf, which JSON cannot carry ({e}); "
-                         f"make_record stores such values as null") from e
+    except (TypeError, ValueError) as e:  # what the checks above cannot foresee (an integer past the digit limit)
+        raise RecordError(f"record {rid}: cannot be written as JSON: {e}") from e
+
+
+def _file_for(kind: str, root) -> Path:
+    if kind not in KINDS:
+        raise ValueError(f"record kind {kind!r} is unknown; known kinds: {', '.join(sorted(KINDS))}")
+    return records_dir(root) / f"{kind}.jsonl"
+
+
+def ensure_writable(kind: str, root: str | Path | None = None) -> Path:
+    """Check, before a run starts, that `<records dir>/<kind>.jsonl` can be appended to (the folder exists or can be
+    made, is writable, the file if present is a regular writable file, some free space); return its path, else raise
+    RecordsUnwritable. Creates nothing: a check that fails must leave no folder or empty file behind."""
+    path = _file_for(kind, root)
+    d = path.parent
+    existing = d
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent  # the nearest folder that exists: the one the records folder would be made in
+    if not existing.is_dir():
+        raise RecordsUnwritable(f"{d}: cannot be made or used as the records folder: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "the records folder" if existing == d else f"the folder {existing}, where it would be made,"
+        raise RecordsUnwritable(f"{path}: cannot be written: {what} is not writable")
+    if os.path.lexists(path):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise RecordsUnwritable(f"{path}: cannot be read for appending: {e.strerror or e}") from e
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordsUnwritable(f"{path}: is not a regular file; expected the records file or nothing")
+        if not os.access(path, os.W_OK):
+            raise RecordsUnwritable(f"{path}: is not writable")
+    try:
+        fs = os.statvfs(existing)
+    except OSError as e:
+        raise RecordsUnwritable(f"{path}: cannot tell the free space of {existing}: {e.strerror or e}") from e
+    free = fs.f_bavail * fs.f_frsize
+    if free < MIN_FREE_BYTES:
+        raise RecordsUnwritable(f"{path}: only {free} bytes free on its file system; expected at least "
+                                f"{MIN_FREE_BYTES}")
+    return path
 
 
 def append(record: dict, root: str | Path | None = None) -> Path:
-    """Append `record` as one line to `<kind>.jsonl`, whole, under an exclusive lock, fsynced. Returns the path."""
+    """Append `record` as one line to `<kind>.jsonl`, whole, under an exclusive lock, fsynced. Returns the path.
+
+    A record `validate_record` finds fault with raises RecordError before anything is written; a folder or file
+    that cannot be written (read-only, no space, no permission) raises RecordsUnwritable naming the path, and what
+    this call wrote of its line is cut off again, so no torn line is left where that can be helped."""
     line = line_of(record)
-    d = records_dir(root)
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / f"{record['kind']}.jsonl"
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    path = _file_for(record["kind"], root)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RecordsUnwritable(f"{path}: cannot be opened for appending: {e.strerror or e}") from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             line = b"\n" + line  # a torn previous line stays torn; it must not swallow this record
-        written = os.write(fd, line)
-        if written != len(line):
-            raise OSError(f"short write to {path}: {written} of {len(line)} bytes (disk full?)")
-        os.fsync(fd)
+        try:
+            written = os.write(fd, line)
+            if written != len(line):
+                raise OSError(errno.ENOSPC, f"short write, {written} of {len(line)} bytes (disk full?)")
+            os.fsync(fd)
+        except OSError:
+            try:
+                os.ftruncate(fd, size)  # under the lock: only this call's bytes are cut
+            except OSError:
+                pass
+            raise
+    except OSError as e:
+        raise RecordsUnwritable(f"{path}: the record could not be appended: {e.strerror or e}") from e
     finally:
         os.close(fd)  # closing releases the lock
     return path
@@ -255,7 +534,7 @@ def _read_locked(path: Path) -> bytes:
 def _shown(path: Path) -> Path:
     try:
         return path.resolve().relative_to(REPO_ROOT)
-    except ValueError:
+    except (ValueError, OSError, RuntimeError):  # outside the checkout; a link loop
         return path
 
 
@@ -269,8 +548,19 @@ def get(record: dict, dotted: str, default=None):
     return value
 
 
+def _lines(path: Path) -> tuple[list[bytes], str | None]:
+    """The lines of one records file, or a problem saying why it cannot be read (a folder, a pipe, no permission)."""
+    if not path.is_file():
+        return [], f"{_shown(path)}: not a regular file; skipped"
+    try:
+        return _read_locked(path).split(b"\n"), None
+    except OSError as e:
+        return [], f"{_shown(path)}: cannot be read ({e.strerror or e}); skipped"
+
+
 def load(kinds=None, root: str | Path | None = None) -> Loaded:
-    """Every record of `kinds` (default: all files present). Bad lines are reported in `problems`, never raised."""
+    """Every record of `kinds` (default: all files present). Lines that are not records `validate_record` accepts
+    are reported in `problems` ("file:line: why; skipped"), never raised: any file's contents can be loaded."""
     d = records_dir(root)
     if kinds is None:
         paths = sorted(d.glob("*.jsonl"))
@@ -279,31 +569,35 @@ def load(kinds=None, root: str | Path | None = None) -> Loaded:
         unknown = [k for k in kinds if k not in KINDS]
         if unknown:
             raise ValueError(f"unknown record kinds {unknown}; known kinds: {', '.join(sorted(KINDS))}")
-        paths = [d / f"{k}.jsonl" for k in kinds if (d / f"{k}.jsonl").exists()]
+        paths = [d / f"{k}.jsonl" for k in kinds if os.path.lexists(d / f"{k}.jsonl")]
     records, problems = [], []
     for path in paths:
-        for n, raw in enumerate(_read_locked(path).split(b"\n"), start=1):
+        lines, problem = _lines(path)
+        if problem:
+            problems.append(problem)
+        for n, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue
             where = f"{_shown(path)}:{n}"
             try:
                 rec = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            except RecursionError:
+                problems.append(f"{where}: nested deeper than JSON can be read here; expected at most {MAX_DEPTH} "
+                                f"objects and arrays; skipped")
+                continue
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's digit limit
                 problems.append(f"{where}: torn or invalid JSON line ({e}); skipped")
                 continue
-            if not isinstance(rec, dict):
-                problems.append(f"{where}: a JSON {type(rec).__name__}, not a record object; skipped")
-                continue
-            missing = [f for f in REQUIRED_FIELDS if f not in rec]
-            if missing:
-                problems.append(f"{where}: record lacks fields {', '.join(missing)}; skipped")
+            wrong = validate_record(rec)
+            if wrong:
+                problems.append(f"{where}: {'; '.join(wrong)}; skipped")
                 continue
             if rec["kind"] != path.stem:
                 problems.append(f"{where}: record of kind {rec['kind']!r} in the {path.stem!r} file; skipped")
                 continue
             records.append(rec)
-    records.sort(key=lambda r: str(r["time"]))
+    records.sort(key=lambda r: r["time"])
     df = pd.json_normalize(records) if records else pd.DataFrame(columns=list(REQUIRED_FIELDS))
-    if records:
-        df["time"] = pd.to_datetime(df["time"], utc=True, format="ISO8601")
+    if records:  # parsed one by one: fromisoformat reads forms pandas' ISO8601 parser does not
+        df["time"] = pd.to_datetime([datetime.fromisoformat(r["time"]) for r in records], utc=True)
     return Loaded(df=df, records=records, problems=problems)

@@ -84,21 +84,35 @@ def fingerprint(record: dict) -> tuple:
 
 
 def _samples(record: dict) -> np.ndarray:
-    samples = np.asarray(_field(record, "results.samples_ms"), dtype=float)
-    if samples.ndim != 1 or samples.size == 0 or not np.all(np.isfinite(samples)):
+    """The record's per-token latencies; ValueError unless a non-empty list of finite positive numbers (a median of
+    zero could not be divided by)."""
+    try:
+        samples = np.asarray(_field(record, "results.samples_ms"), dtype=float)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"record {record.get('id', '?')!r}: results.samples_ms must be a list of numbers ({e})") from e
+    if samples.ndim != 1 or samples.size == 0 or not np.all(np.isfinite(samples)) or not np.all(samples > 0):
         raise ValueError(f"record {record.get('id', '?')!r}: results.samples_ms must be a non-empty list of "
-                         f"finite numbers")
+                         f"finite positive numbers")
     return samples
 
 
-def comparable(record: dict) -> bool:
-    """A VALID bench record with latency samples and every fingerprint field: one that can be checked."""
+def _key(record: dict) -> tuple | None:
     try:
-        fingerprint(record)
-        samples = _field(record, "results.samples_ms")
+        return fingerprint(record)
     except KeyError:
+        return None
+
+
+def comparable(record: dict) -> bool:
+    """A VALID bench record with latency samples `check` can use and every fingerprint field: one that can be
+    checked, or be another's history."""
+    if record.get("kind") != "bench" or record.get("verdict") != "VALID" or _key(record) is None:
         return False
-    return record.get("kind") == "bench" and record.get("verdict") == "VALID" and bool(samples)
+    try:
+        _samples(record)
+    except (KeyError, ValueError):
+        return False
+    return True
 
 
 def check(new: dict, history: list[dict], k: int = HISTORY_RUNS) -> Regression:
@@ -106,8 +120,8 @@ def check(new: dict, history: list[dict], k: int = HISTORY_RUNS) -> Regression:
     key = fingerprint(new)
     new_samples = _samples(new)
     new_median = float(np.median(new_samples))
-    earlier = sorted((r for r in history if comparable(r) and r["id"] != new["id"]
-                      and fingerprint(r) == key and r["time"] < new["time"]), key=lambda r: r["time"])[-k:]
+    earlier = sorted((r for r in history if r["id"] != new["id"] and r["time"] < new["time"] and _key(r) == key
+                      and comparable(r)), key=lambda r: r["time"])[-k:]  # the cheap tests first
     hist_ids = tuple(r["id"] for r in earlier)
     if len(earlier) < MIN_HISTORY_RUNS:
         return Regression(key, "insufficient-history", new_median, None, None, None,
@@ -158,7 +172,7 @@ def clock_note(new: dict, earlier: list[dict]) -> str:
     mine = clocks(new)
     if mine is None:
         return ""
-    note = f"; SM clock {mine['sm_mhz_mean']:.0f} MHz, at the power cap in {mine.get('power_cap_share', 0):.0%}"
+    note = f"; SM clock {mine['sm_mhz_mean']:.0f} MHz, at the power cap in {mine.get('power_cap_share') or 0:.0%}"
     theirs = [c["sm_mhz_mean"] for c in map(clocks, earlier) if c is not None]
     if theirs:
         note += f" (history: {float(np.median(theirs)):.0f} MHz over {len(theirs)} run(s))"

@@ -6,6 +6,13 @@ Every figure and table cites the records it was drawn from (short id, machine, c
 not read are listed at the top, then the issues' targets judged from the records (`reports.targets`), then the
 plots and tables; INVALID records close the report with their reasons (cut past REASON_CHARS) and are never
 drawn into a speed plot, and the errata follow them. A section without records says so instead of failing.
+
+Any records folder renders: `records.store.load` skips each line that is not a record of the shape the sections
+read, and the report lists those lines with the reason (and says so on stderr). Text from records is escaped
+wherever it lands: HTML-escaped in index.html, markdown-escaped in SUMMARY.md (`md_text`: no raw HTML, no link a
+record could aim), and `$` escaped in plot text (`plot_text`), which matplotlib would otherwise read as mathtext.
+A section that still fails on its records says so in its place and on stderr; the rest of the report is drawn.
+Exit status of the command: 0 rendered, 2 could not run (no such records folder, an output it cannot write).
 """
 from __future__ import annotations
 
@@ -63,6 +70,49 @@ class Table:
 class Section:
     title: str
     blocks: list = field(default_factory=list)  # str paragraphs, Figures and Tables, in order
+    failed: str | None = None  # why the section could not be drawn from its records, where it could not
+
+
+# ---- escaping: text from records, wherever it lands --------------------------------------------
+
+PLOT_CHARS = 100  # plot text from records is cut to this many characters: a long one would widen a figure past
+# what an image can hold
+
+
+def plot_text(x) -> str:
+    """Record text for a plot (title, label, legend, tick, annotation): `$` escaped, so matplotlib never reads it as
+    mathtext (an unbalanced `$x^$` fails the whole figure), and cut past PLOT_CHARS."""
+    text = str(x)
+    if len(text) > PLOT_CHARS:
+        text = text[:PLOT_CHARS - 1] + "…"
+    return text.replace("$", r"\$")
+
+
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]|~$])")  # inline markdown: code, emphasis, links, table cells, GFM strike, math
+
+
+def md_text(x, block: bool = False) -> str:
+    """Text for SUMMARY.md: on one line, `&`, `<`, `>` as entities (no raw HTML such as `<script>`, no autolink, no
+    entity a record spells out) and markdown's inline syntax backslash-escaped (no emphasis, code span, link,
+    image, table cell or math can open). A `block` (a paragraph of its own) also has a heading, list or rule
+    marker at its start escaped."""
+    text = str(x).replace("\r", " ").replace("\n", " ")
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    text = _MD_SPECIAL.sub(r"\\\1", text)
+    if block:
+        text = re.sub(r"^(\s*)([#+=-])", r"\1\\\2", text)
+        text = re.sub(r"^(\s*\d+)([.)])(?=\s|$)", r"\1\\\2", text)
+    return text
+
+
+def link_target(target: str) -> str | None:
+    """`target` where it may be a link in the report: a relative path inside the output folder (what `save` makes)
+    or an http(s) address; None for anything else (a `javascript:` target, an absolute path, `..`)."""
+    if re.fullmatch(r"https?://[^\s<>\"'()]+", target):
+        return target
+    if re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_./-]*", target) and ".." not in target.split("/"):
+        return target
+    return None
 
 
 # ---- record helpers ----------------------------------------------------------------------------
@@ -140,7 +190,8 @@ def problems_section(problems: list[str]) -> Section:
     if not problems:
         s.blocks.append("none: every line of the records files was read")
     else:
-        s.blocks.append(f"{len(problems)} line(s) could not be read and are left out of everything below:")
+        s.blocks.append(f"{len(problems)} line(s) could not be read as records and are left out of everything "
+                        f"below (file:line: why):")
         s.blocks.append(Table(["problem"], [[p] for p in problems]))
     return s
 
@@ -184,15 +235,19 @@ def nightly_section(nights: list[dict]) -> Section:
     def step_cell(name: str, st: dict) -> str:
         status = step_status(st.get("returncode"), st.get("gate", False), st.get("timed_out", False),
                              st.get("skipped", False))
-        return f"{name} {status} {duration(st.get('seconds', 0))}"
+        return f"{name} {status} {duration(st.get('seconds') or 0)}"
 
     def checked(judged: list[dict]) -> str:
         if not judged:
             return "nothing judged (no bench record)"
-        flagged = [regress.describe(tuple(g["key"])) for g in judged if g.get("verdict") == "regression"]
+        flagged = [described(g.get("key")) for g in judged if g.get("verdict") == "regression"]
         short = sum(g.get("verdict") == "insufficient-history" for g in judged)
         return ("REGRESSION: " + "; ".join(flagged) if flagged else f"none of {len(judged)} flagged") + \
             (f" ({short} with too little history to judge)" if short else "")
+
+    def described(key) -> str:
+        whole = isinstance(key, list) and len(key) == len(regress.KEY_FIELDS)
+        return regress.describe(tuple(key)) if whole else f"configuration {key}"
 
     def last_line(name: str, st: dict) -> str:
         line = st["tail"].splitlines()[-1] if st.get("tail") else "(no output)"
@@ -319,7 +374,7 @@ def speed_section(bench: list[dict], out: Path) -> Section:
             x, y = zip(*sorted(points))
             style = {"ours": dict(marker="o", lw=2, color=OURS_COLOR),
                      "roofline": dict(ls="--", color="black")}.get(who, dict(marker="s"))
-            ax.plot(x, y, label=f"{who}: {label}", **style)
+            ax.plot(x, y, label=plot_text(f"{who}: {label}"), **style)
         ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="tokens/s",
                title=f"{phase} speed (latest run per configuration)")
         ax.set_xscale("log", base=2)
@@ -352,10 +407,11 @@ def host_probe_text(r: dict) -> str:
 def clock_text(c: dict | None) -> str:
     """The GPU's clocks over a timed run (`benchmarks.gpu_clocks`) for a table cell: mean SM clock against its
     maximum, and the share of samples the driver held under the power cap."""
-    if not isinstance(c, dict) or "sm_mhz_mean" not in c:
+    if not isinstance(c, dict) or c.get("sm_mhz_mean") is None:
         return "—"
     top = f" of {c['sm_mhz_max']:,.0f}" if c.get("sm_mhz_max") else ""
-    return f"{c['sm_mhz_mean']:,.0f}{top} MHz; cap {c['power_cap_share']:.0%}"
+    cap = c.get("power_cap_share")
+    return f"{c['sm_mhz_mean']:,.0f}{top} MHz" + ("" if cap is None else f"; cap {cap:.0%}")
 
 
 def peer_clock(r: dict) -> str:
@@ -370,7 +426,7 @@ def spot_text(r: dict) -> str:
     sc = get(r, "results.spot_check")
     if not isinstance(sc, dict) or "agree" not in sc:
         return ""
-    text = f"; {sc['agree']}/{sc['total']}"
+    text = f"; {sc['agree']}/{sc.get('total', '?')}"
     if sc.get("verdict") not in (None, "match"):
         text += f", {sc['verdict']} at step {sc.get('first_divergence')}"
     return text
@@ -393,13 +449,13 @@ def history_section(bench: list[dict], out: Path) -> Section:
             by_config[bench_config(r)].append(r)
         for cfg, runs in sorted(by_config.items(), key=lambda kv: config_order(kv[0])):
             ax.plot([when(r) for r in runs], [get(r, "results.tok_s") for r in runs], marker="o",
-                    label=f"ctx {cfg[1]}: {series_label(runs[0])}")
+                    label=plot_text(f"ctx {cfg[1]}: {series_label(runs[0])}"))
         flagged = [r for r in rs if verdicts.get(r["id"]) and verdicts[r["id"]].verdict == "regression"]
         if flagged:
             ax.scatter([when(r) for r in flagged], [get(r, "results.tok_s") for r in flagged], s=160,
                        facecolors="none", edgecolors="red", linewidths=2, label="regression", zorder=5)
         ticks = latest_by(rs, commit)  # one tick per commit, at its latest run
-        ax.set_xticks([when(r) for r in ticks.values()], list(ticks), rotation=45, fontsize=7)
+        ax.set_xticks([when(r) for r in ticks.values()], [plot_text(c) for c in ticks], rotation=45, fontsize=7)
         ax.set(xlabel="commit (by time of run)", ylabel="tokens/s", title=f"{phase} speed history")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
@@ -468,6 +524,10 @@ def gate_reference(r: dict) -> str:
 def gates_section(gates: list[dict], out: Path) -> Section:
     s = Section("Gates")
     gates, s.blocks = usable(sorted(gates, key=lambda r: r["time"]), ("results.score", "results.total"), "gate")
+    empty = [r for r in gates if not get(r, "results.total")]
+    if empty:  # k/0 is no score
+        s.blocks.append(f"{len(empty)} gate record(s) have results.total 0 and are not drawn: {cite(empty)}")
+        gates = [r for r in gates if r not in empty]
     if not gates:
         s.blocks.append(NO_RECORDS)
         return s
@@ -481,10 +541,10 @@ def gates_section(gates: list[dict], out: Path) -> Section:
             ax.scatter([when(r) for r in failed], [get(r, "results.score") / get(r, "results.total") for r in failed],
                        color="red", s=80, zorder=5, label=f"{kind} failed" if failed else None)
             for r in failed:
-                ax.annotate(f"{get(r, 'results.score')}/{get(r, 'results.total')}", (when(r), get(r, "results.score")
+                ax.annotate(plot_text(f"{get(r, 'results.score')}/{get(r, 'results.total')}"), (when(r), get(r, "results.score")
                             / get(r, "results.total")), textcoords="offset points", xytext=(8, 0), color="red")
     ticks = latest_by(gates, commit)
-    ax.set_xticks([when(r) for r in ticks.values()], list(ticks), rotation=45, fontsize=7)
+    ax.set_xticks([when(r) for r in ticks.values()], [plot_text(c) for c in ticks], rotation=45, fontsize=7)
     ax.set(ylabel="score k/N", title="gate scores per run")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
@@ -517,13 +577,13 @@ def decomposition_section(decomps: list[dict], out: Path) -> Section:
     others = [r for r in decomps if decomposition_preference(r)[:-1] != decomposition_preference(ours)[:-1]]
     shares = get(ours, "results.shares", {})
     cats = [c for c in CATEGORY_NAMES if c in shares or c in SEED_SHARES] + sorted(set(shares) - set(CATEGORY_NAMES))
-    label = f"ours ({short_id(ours)}, {commit(ours)})"
+    label = plot_text(f"ours ({short_id(ours)}, {commit(ours)})")
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4.5), gridspec_kw={"width_ratios": [3, 1]})
     colors = plt.get_cmap("tab20")
     bottoms = [0.0, 0.0]
     for i, cat in enumerate(cats):
-        heights = [shares.get(cat, 0.0), SEED_SHARES.get(cat, 0.0)]
-        left.bar([label, SEED_LABEL], heights, bottom=bottoms, color=colors(i % 20), label=cat)
+        heights = [shares.get(cat) or 0.0, SEED_SHARES.get(cat, 0.0)]   # null: a share that was not finite
+        left.bar([label, SEED_LABEL], heights, bottom=bottoms, color=colors(i % 20), label=plot_text(cat))
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     left.set(ylabel="share of GPU kernel time", ylim=(0, 1.0), title="decode kernel time by category")
     left.legend(fontsize=7, bbox_to_anchor=(1.0, 1.0), loc="upper left")
@@ -626,8 +686,8 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
     y = range(len(latest))
     ax.barh([i - 0.2 for i in y], [get(r, "results.ours_ms", 0) for r in latest], height=0.4, label="ours")
     ax.barh([i + 0.2 for i in y], [get(r, "results.peer_ms", 0) for r in latest], height=0.4,
-            label="peer: " + ", ".join(sorted({str(get(r, "results.peer", "?")) for r in latest})))
-    ax.set_yticks(list(y), labels, fontsize=7)
+            label=plot_text("peer: " + ", ".join(sorted({str(get(r, "results.peer", "?")) for r in latest}))))
+    ax.set_yticks(list(y), [plot_text(label) for label in labels], fontsize=7)
     ax.set(xscale="log", xlabel="ms per call")
     fig.suptitle("kernel timings (latest per kernel and GPU)", fontsize=10)
     ax.invert_yaxis()
@@ -654,7 +714,7 @@ def paired_cell(r: dict, how: str) -> str:
         return "—"
     if peer is None:
         return f"{fmt(ours)} / {get(r, f'results.peer_{how}_error') or '—'}"
-    return f"{fmt(ours)} / {fmt(peer)} ({fmt(peer / ours, '.2f')})"
+    return f"{fmt(ours)} / {fmt(peer)} ({fmt(peer / ours if ours else None, '.2f')})"
 
 
 def config_cell(r: dict) -> str:
@@ -688,8 +748,8 @@ def memory_section(memory: list[dict], out: Path) -> Section:
         if allowed:
             ax.scatter([a / GiB for _, a in allowed], [i for i, _ in allowed], marker="|", s=900, color="red",
                        zorder=5, label="free before - floor (largest allowed peak)")
-        ax.set_yticks(list(y), [f"{short_id(r)} {r['preset']} ctx {get(r, 'params.context', '?')}" for r in measured],
-                      fontsize=7)
+        ax.set_yticks(list(y), [plot_text(f"{short_id(r)} {r['preset']} ctx {get(r, 'params.context', '?')}")
+                                for r in measured], fontsize=7)
         ax.set(xlabel="GiB", title="memory: projected vs measured peak")
         ax.invert_yaxis()
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -709,46 +769,66 @@ def memory_section(memory: list[dict], out: Path) -> Section:
     return s
 
 
+SECTION_TITLES = ("Targets", "Nightly runs", "Speed against context length", "Speed history and regressions",
+                  "Gates", "Decode time decomposition", "Kernel timings, ours vs peer", "Memory audit",
+                  "INVALID records", "Errata")
+
+
+def guarded(title: str, draw) -> Section:
+    """`draw()`, or where it fails on its records a section that says so: one section must not take the report down.
+    Every figure it opened is closed either way."""
+    try:
+        return draw()
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}"
+        s = Section(title, [f"This section could not be drawn from its records ({why}); the rest of the report "
+                            f"is."], failed=why)
+        return s
+    finally:
+        plt.close("all")
+
+
 def build(loaded, out: Path) -> list[Section]:
     records = loaded.records
     records, errata = apply_errata(records)
     valid = [r for r in records if r["verdict"] == "VALID"]
     of = lambda *kinds: [r for r in valid if r["kind"] in kinds]
-    return [
-        problems_section(loaded.problems),
-        targets_section(valid),
-        nightly_section(of("nightly")),
-        speed_section(of("bench"), out),
-        history_section(of("bench"), out),
-        gates_section(of("gate_a", "gate_b"), out),
-        decomposition_section([r for r in of("decomposition") if get(r, "params.phase", "decode") == "decode"
-                               and not get(r, "params.variant")], out),
-        kernels_section(of("kernel"), out),
-        memory_section(of("memory"), out),
-        invalid_section(records),
-        errata_section(errata),
-    ]
+    draws = (
+        lambda: targets_section(valid),
+        lambda: nightly_section(of("nightly")),
+        lambda: speed_section(of("bench"), out),
+        lambda: history_section(of("bench"), out),
+        lambda: gates_section(of("gate_a", "gate_b"), out),
+        lambda: decomposition_section([r for r in of("decomposition") if get(r, "params.phase", "decode") == "decode"
+                                       and not get(r, "params.variant")], out),
+        lambda: kernels_section(of("kernel"), out),
+        lambda: memory_section(of("memory"), out),
+        lambda: invalid_section(records),
+        lambda: errata_section(errata),
+    )
+    with matplotlib.rc_context({"text.usetex": False}):  # TeX would read record text as markup of its own
+        return [problems_section(loaded.problems)] + [guarded(t, d) for t, d in zip(SECTION_TITLES, draws)]
 
 
 # ---- writers -----------------------------------------------------------------------------------
 
-def _md_cell(x: str) -> str:
-    return str(x).replace("|", "\\|").replace("\n", " ")
-
-
 def to_markdown(sections: list[Section], header: str) -> str:
-    lines = ["# Kimi-Linear gating suite: report", "", header, ""]
+    """SUMMARY.md: every text from the sections goes through `md_text`; the only links are the figures' own files."""
+    m = md_text
+    lines = ["# Kimi-Linear gating suite: report", "", m(header, block=True), ""]
     for s in sections:
-        lines += [f"## {s.title}", ""]
+        lines += [f"## {m(s.title)}", ""]
         for b in s.blocks:
             if isinstance(b, Figure):
-                lines += [f"![{b.title}]({b.file})", "", f"*{b.title}.* Source: {b.source}", ""]
+                target = link_target(b.file)
+                lines += [f"![{m(b.title)}]({target})" if target else f"(figure {m(b.file)})", "",
+                          f"*{m(b.title)}.* Source: {m(b.source)}", ""]
             elif isinstance(b, Table):
-                lines += ["| " + " | ".join(map(_md_cell, b.header)) + " |", "|" + "---|" * len(b.header)]
-                lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in b.rows]
-                lines += ([""] + [f"Source: {b.source}"] if b.source else []) + [""]
+                lines += ["| " + " | ".join(map(m, b.header)) + " |", "|" + "---|" * len(b.header)]
+                lines += ["| " + " | ".join(map(m, row)) + " |" for row in b.rows]
+                lines += ([""] + [f"Source: {m(b.source)}"] if b.source else []) + [""]
             else:
-                lines += [b, ""]
+                lines += [m(b, block=True), ""]
     return "\n".join(lines)
 
 
@@ -765,8 +845,10 @@ def to_html(sections: list[Section], header: str) -> str:
         parts.append(f"<section{' class=problems' if problem else ''}><h2>{e(s.title)}</h2>")
         for b in s.blocks:
             if isinstance(b, Figure):
-                parts.append(f"<figure><img src='{e(b.file)}' alt='{e(b.title)}'>"
-                             f"<figcaption class=src><b>{e(b.title)}</b>. Source: {e(b.source)}</figcaption></figure>")
+                target = link_target(b.file)
+                img = f"<img src='{e(target)}' alt='{e(b.title)}'>" if target else ""
+                parts.append(f"<figure>{img}<figcaption class=src><b>{e(b.title)}</b>. Source: {e(b.source)}"
+                             f"</figcaption></figure>")
             elif isinstance(b, Table):
                 parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in b.header) + "</tr>")
                 parts += ["<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in b.rows]
@@ -779,6 +861,8 @@ def to_html(sections: list[Section], header: str) -> str:
 
 
 def render(records_root=None, out: str | Path = "reports") -> list[Section]:
+    """Write the report of the records under `records_root` into `out`; the sections drawn. Lines the store could
+    not use and sections that could not be drawn are listed in the report and said on stderr, one a line."""
     from records.store import load, records_dir
 
     out = Path(out)
@@ -792,26 +876,43 @@ def render(records_root=None, out: str | Path = "reports") -> list[Section]:
     kinds = defaultdict(int)
     for r in loaded.records:
         kinds[r["kind"]] += 1
+    failed = [s for s in sections if s.failed]
     header = (f"Rendered from {len(loaded.records)} records in {records_dir(records_root)} ("
               + (", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) or "none")
-              + f"); {len(loaded.problems)} unreadable line(s).")
-    (out / "index.html").write_text(to_html(sections, header))
-    (out / "SUMMARY.md").write_text(to_markdown(sections, header))
+              + f"); {len(loaded.problems)} unreadable line(s)"
+              + (f"; {len(failed)} section(s) could not be drawn" if failed else "") + ".")
+    # backslashreplace: a folder name given in bytes that are not UTF-8 (a lone surrogate in Python) must not
+    # stop the write
+    (out / "index.html").write_text(to_html(sections, header), encoding="utf-8", errors="backslashreplace")
+    (out / "SUMMARY.md").write_text(to_markdown(sections, header), encoding="utf-8", errors="backslashreplace")
     if loaded.problems:   # said where the one who ran this looks, not only inside the report
         print(f"warning: {len(loaded.problems)} record line(s) could not be read and are left out of the report "
-              f"(its first section lists them): {'; '.join(loaded.problems[:3])}"
-              + (" ..." if len(loaded.problems) > 3 else ""), file=sys.stderr)
+              f"(its first section lists them too):", file=sys.stderr)
+        for p in loaded.problems:
+            print(f"  {p}", file=sys.stderr)
+    for s in failed:
+        print(f"warning: section {s.title!r} could not be drawn: {s.failed}", file=sys.stderr)
     return sections
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """0 rendered; 2 could not run (a records folder that is not there, an output that cannot be written), with one
+    line saying which."""
     parser = argparse.ArgumentParser(description="Render reports/index.html and SUMMARY.md from records alone.")
     parser.add_argument("--records", default=None, help="records directory (default: the store's)")
     parser.add_argument("--out", default="reports", help="output directory (default: reports/)")
     args = parser.parse_args(argv)
-    render(args.records, args.out)
+    if args.records is not None and not Path(args.records).is_dir():
+        parser.error(f"--records {args.records}: no such folder; expected a folder of <kind>.jsonl files")
+    try:
+        render(args.records, args.out)
+    except OSError as e:
+        print(f"render: --out {args.out}: cannot write the report ({e.filename or args.out}: {e.strerror or e})",
+              file=sys.stderr)
+        return 2
     print(f"wrote {Path(args.out) / 'index.html'} and {Path(args.out) / 'SUMMARY.md'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -201,8 +201,9 @@ def test_import_run_appends_what_is_new_attributed_to_the_sent_commit(tmp_path, 
 
 
 def test_import_run_writes_nothing_when_one_record_cannot_be_written(tmp_path, capsys):
-    """A line of SRC that reads back but cannot be written (a NaN: Python's JSON reads it, the store refuses it)
-    stops the import before the first append: all or none, not the records before it."""
+    """A line of SRC that is no record (a NaN: Python's JSON reads it, the store's validator does not) is skipped
+    and reported; a kind whose records file in DEST cannot be written stops the import before the first append,
+    all or none, not the records of the other kinds before it."""
     from records import import_run
     box, here = tmp_path / "box", tmp_path / "here"
     good = [_bench(tok_s=1.0), _bench(tok_s=2.0)]
@@ -210,10 +211,19 @@ def test_import_run_writes_nothing_when_one_record_cannot_be_written(tmp_path, c
     with open(box / "bench.jsonl", "a") as f:
         f.write(json.dumps(_bench(tok_s=3.0) | {"results": {"tok_s": float("nan")}}) + "\n")
     append(good[1], root=box)
-    assert len(load(root=box).records) == 3                # it reads back
+    append(make_record("kernel", preset=None, dtype="bfloat16", device="cuda", weights=None, params={"op": "x"},
+                       results={}), root=box)
+    got = load(root=box)
+    assert len(got.records) == 3 and len(got.problems) == 1 and "holds a NaN or inf" in got.problems[0]
+    (here / "kernel.jsonl").mkdir(parents=True)            # the kernel records cannot be appended
     assert import_run.main([str(box), "--commit", _head(), "--note", "run 9", "--root", str(here)]) == 2
-    assert "holds a NaN or inf" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "kernel.jsonl: is not a regular file" in err and len(err.strip().splitlines()) == 1
     assert not (here / "bench.jsonl").exists()
+    (here / "kernel.jsonl").rmdir()
+    assert import_run.main([str(box), "--commit", _head(), "--note", "run 9", "--root", str(here)]) == 0
+    out = capsys.readouterr()
+    assert "imported 3 record(s), bench 2, kernel 1; 1 problem(s)" in out.out and "holds a NaN or inf" in out.err
 
 
 @pytest.mark.parametrize("commit, note, match", [("abc123", "run", "full 40-digit"),
@@ -229,21 +239,29 @@ def test_import_run_refuses_a_commit_it_cannot_vouch_for(tmp_path, capsys, commi
 
 
 def test_import_run_brings_the_trace_a_record_names(tmp_path, capsys):
-    """A decomposition record's trace comes along into the tree above DEST; a record naming a trace that did not
-    come back, or a path outside reports/traces/, is reported and copies nothing."""
+    """A decomposition record's trace comes along into the tree above DEST, as a file of ordinary permissions; a
+    record naming a trace that did not come back is reported and copies nothing."""
     from records import import_run
     box, here = tmp_path / "box" / "records", tmp_path / "here" / "records"
     (tmp_path / "box" / "reports" / "traces").mkdir(parents=True)
     (tmp_path / "box" / "reports" / "traces" / "t1.json.gz").write_bytes(b"trace one")
-    for trace in ("reports/traces/t1.json.gz", "reports/traces/missing.json.gz", "../../etc/passwd"):
+    (tmp_path / "box" / "reports" / "traces" / "t1.json.gz").chmod(0o4777)   # an odd mode is not carried over
+    for trace in ("reports/traces/t1.json.gz", "reports/traces/missing.json.gz"):
         append(make_record("decomposition", preset=None, dtype=None, device="cuda", weights=None,
                            params={"phase": "prefill"}, results={"trace": trace}), root=box)
     assert import_run.main([str(box), "--commit", _head(), "--note", "run 8", "--root", str(here)]) == 0
     err = capsys.readouterr().err
-    assert (tmp_path / "here" / "reports" / "traces" / "t1.json.gz").read_bytes() == b"trace one"
-    assert "missing.json.gz is not in" in err and "not under reports/traces/" in err
-    assert len(load(root=here).records) == 3  # the records come in either way
-    assert not (tmp_path / "etc").exists()
+    copied = tmp_path / "here" / "reports" / "traces" / "t1.json.gz"
+    assert copied.read_bytes() == b"trace one" and copied.stat().st_mode & 0o7777 == 0o644 & ~_umask()
+    assert "missing.json.gz is not in" in err
+    assert len(load(root=here).records) == 2  # the records come in either way
+
+
+def _umask() -> int:
+    import os
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_what_the_suite_writes_into_its_tree_does_not_make_a_record_dirty(tmp_path, monkeypatch):

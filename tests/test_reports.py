@@ -87,7 +87,7 @@ def test_summary_cites_the_planted_findings(report, fixture_records):
                 and r["params"]["phase"] == "decode"), key=lambda r: r["time"])
     assert re.search(rf"\| {short(slow)} \|[^\n]*\| REGRESSION \|", summary)
     failed = the(fixture_records, lambda r: r["kind"] == "gate_b" and not r["results"]["passed"])
-    assert re.search(rf"\| {short(failed)} \| gate_b \|[^\n]*\| 7 \| 11 \|[^\n]*near-tie", summary)
+    assert re.search(rf"\| {short(failed)} \| gate\\_b \|[^\n]*\| 7 \| 11 \|[^\n]*near-tie", summary)  # `_` escaped
     assert f"| {short(failed)} | " in summary and "127/128 | FAIL" in summary
     for kind in ("decomposition", "kernel", "memory"):
         for r in (r for r in fixture_records.values() if r["kind"] == kind):
