@@ -4,21 +4,24 @@ Flags only: this CLI reads no environment variables (the Makefile maps PRESET, M
 DEVICE, NEW_TOKENS, FLOOR_GIB, SOURCE, GOLDEN to the flags of the same meaning). Defaults: see gates/run.py.
 Records go to records/<kind>.jsonl (records/store.py decides where; KIMI_RECORDS_DIR moves them).
 
-Exit codes: 0 the gate holds (or the memory gate SKIPs: no GPU; or the golden is written); 1 it fails; 2 it
-could not judge (refused by the memory floor, a golden for other weights/prompts, bad arguments or input, or a
-crash, its traceback printed; a gate's crash is still recorded, INVALID, with the exception).
+Exit codes (docs/EXIT_CODES.md): 0 the gate holds (or the memory gate SKIPs: no GPU; or the golden is written);
+1 it fails on valid inputs; 2 it could not judge (bad arguments or input, refused by the memory floor, a golden
+for other weights/prompts, records that cannot be written, or a crash, its traceback printed; a gate's crash is
+still recorded, INVALID, with the exception, where the records folder can be written).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import traceback
+from pathlib import Path
 
 from model import ops
 from model.checkpoint import check_checkpoint
 from model.config import PRESETS
+from records import store
 
-from .golden import GOLDEN_DIR, golden_name, make_golden, write_golden
+from .golden import GOLDEN_DIR, check_golden_writable, golden_name, make_golden, write_golden
 from .memory import MemoryFloorError
 from .prompts import DEFAULT_NEW_TOKENS
 from .run import (DEFAULT_FLOOR_GIB, DEVICES, DTYPES, EXIT_PASS, EXIT_REFUSED, KERNELS, SOURCES, GateRefused,
@@ -63,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def golden_command(opts: Options) -> int:
-    path = opts.golden or GOLDEN_DIR / golden_name(opts.label, opts.dtype, opts.device, opts.source)
+    path = Path(opts.golden) if opts.golden else GOLDEN_DIR / golden_name(opts.label, opts.dtype, opts.device, opts.source)
+    check_golden_writable(path)       # before the generation, not after it
     b = battery_for(opts)
     with floor_guard(opts, context_len(b, opts.new_tokens)), ops.use(opts.kernels):
         # HF on a CPU loads a checkpoint directory itself; a second copy of a real model is not needed there
@@ -92,34 +96,52 @@ RECORD_KINDS = {"gate-a": "gate_a", "gate-b": "gate_b", "gate-memory": "memory"}
 CRASH_MESSAGE_CHARS = 600
 
 
+def run_command(command: str, opts: Options) -> int:
+    if command == "gate-a":
+        from .gate_a import run_gate_a
+        return run_gate_a(opts)
+    if command == "gate-b":
+        from .gate_b import run_gate_b
+        return run_gate_b(opts)
+    if command == "gate-memory":
+        from .gate_memory import run_memory_gate
+        return run_memory_gate(opts)
+    return golden_command(opts)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The exit-code contract (docs/EXIT_CODES.md): 0 the gate holds, 1 it fails on valid inputs, 2 it could not
+    judge. Anything that is not a verdict reached on valid inputs -- bad input, a refusal, a crash of any kind
+    (a Rust panic in a library is a BaseException), records that cannot be written -- is 2."""
     args = parser().parse_args(argv)
     opts = None
+    kind = RECORD_KINDS.get(args.command)
     try:
         source = getattr(args, "source", "hf")
         opts = resolve(preset=args.preset, model=args.model, dtype=args.dtype, device=args.device,
                        new_tokens=args.new_tokens, floor_gib=args.floor_gib, source=source,
                        golden=getattr(args, "golden", None), seed=args.seed, kernels=args.kernels,
                        expert_dtype=args.expert_dtype, exact=exact_precision(args.command, source))
+        if kind is not None:
+            store.ensure_writable(kind)   # a run whose record cannot be kept is refused before it starts
         limit_cpu_threads(opts)
-        if args.command == "gate-a":
-            from .gate_a import run_gate_a
-            return run_gate_a(opts)
-        if args.command == "gate-b":
-            from .gate_b import run_gate_b
-            return run_gate_b(opts)
-        if args.command == "gate-memory":
-            from .gate_memory import run_memory_gate
-            return run_memory_gate(opts)
-        return golden_command(opts)
+        return run_command(args.command, opts)
+    except store.RecordsUnwritable as e:
+        print(f"error: {e}: the run cannot be recorded, so it gives no verdict", file=sys.stderr)
+        return EXIT_REFUSED
     except (ValueError, GateRefused, MemoryFloorError) as e:  # config, checkpoint, tokenizer, golden errors are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED
-    except Exception as e:
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:
         traceback.print_exc()
-        if opts is not None and args.command in RECORD_KINDS:   # the golden command makes no record to leave
+        if opts is not None and kind is not None:   # the golden command makes no record to leave
             why = f"crashed: {type(e).__name__}: {e}"
-            refused(RECORD_KINDS[args.command], opts, why[:CRASH_MESSAGE_CHARS])
+            try:
+                refused(kind, opts, why[:CRASH_MESSAGE_CHARS])
+            except store.RecordsUnwritable as unwritable:
+                print(f"error: the crash could not be recorded: {unwritable}", file=sys.stderr)
         return EXIT_REFUSED
 
 

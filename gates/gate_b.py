@@ -46,10 +46,12 @@ def run_gate_b(opts: Options, *, subject: Subject | None = None, reader=None, re
     result = GateResult("Gate B", ref_name, "incremental", prompts)
     md5 = ids_md5([x.tokens for x in gens])
     passed = md5 == g["md5"]
+    if passed != result.passed:     # validate_golden makes this impossible; a verdict must never contradict itself
+        return refused("gate_b", opts, f"the md5 ({'equal' if passed else 'different'}) and the token comparison "
+                       f"({result.score}/{result.total}) disagree", subject.weights, records_root=records_root, log=log)
     log(f"Gate B on {opts.label} ({subject.source}, weights {subject.weights}) {opts.precision} {opts.device}, "
         f"kernels {opts.kernels}, golden {path}, near-tie eps {eps:g} nats")
     log(result.table())
-    log(f"md5 ours {md5} golden {g['md5']}: {'equal' if passed else 'DIFFERENT'}")
     results = {
         **result.results(), "passed": passed, "md5": md5, "golden_md5": g["md5"], "near_tie_eps": eps,
         "timings": {"load_s": subject.load_s, "generate_s": t_gen, "total_s": time.perf_counter() - t0},
@@ -59,5 +61,7 @@ def run_gate_b(opts: Options, *, subject: Subject | None = None, reader=None, re
               "golden_device": g["device"], "golden_implementation": g["provenance"]["implementation"],
               "prompt_ids_source": b.source, "weights_source": subject.source}
     rec_path = record("gate_b", opts, subject.weights, params, results, records_root=records_root)
+    # the verdict is printed only once its record is kept: an unwritable records file exits 2 with no verdict shown
+    log(f"md5 ours {md5} golden {g['md5']}: {'equal' if passed else 'DIFFERENT'}")
     log(f"{result.summary()}, md5 {'equal' if passed else 'differs'} [{results['timings']['total_s']:.1f} s; record {rec_path}]")
     return EXIT_PASS if passed else EXIT_FAIL

@@ -21,9 +21,13 @@ exact reference; with checkpoint-valued weights it holds for every dtype's run o
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import math
 import re
+import stat
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -38,7 +42,7 @@ from model.weights import synthetic_weights, weights_id
 from records.store import provenance
 
 from .prompts import PROMPTS
-from .run import DEFAULT_TOPK, Options, Subject, battery_for
+from .run import DEFAULT_TOPK, DEVICES, DTYPES, MAX_NEW_TOKENS, SOURCES, Options, Subject, battery_for
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "goldens"
 FORMAT = 1
@@ -87,33 +91,122 @@ def find_golden(opts: Options, directory: Path = GOLDEN_DIR) -> Path:
 
 # ---- reading and checking ------------------------------------------------------------------------
 
-def load_golden(path: str | Path) -> dict:
-    """Parse and validate a golden file (fields, shapes, its own md5)."""
-    path = Path(path)
+# A golden is a few hundred KB (the 48B ones: ~60 KB); anything past this cap is not one.
+MAX_GOLDEN_BYTES = 64 << 20
+MAX_PROMPTS, MAX_TOPK = 1024, 1024
+HEX_MD5 = re.compile(r"[0-9a-f]{32}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _read_json(path: Path) -> object:
+    """The file's JSON value, or GoldenError naming the file: missing, not a regular file, over the size cap,
+    not UTF-8, not JSON, or nested past what the parser can take."""
     try:
-        g = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise GoldenError(f"cannot read golden {path}: {e}") from e
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise GoldenError(f"golden {path}: not a regular file")
+        if st.st_size > MAX_GOLDEN_BYTES:
+            raise GoldenError(f"golden {path}: {st.st_size:,} bytes, over the {MAX_GOLDEN_BYTES:,}-byte cap of a golden")
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except GoldenError:
+        raise
+    except OSError as e:
+        raise GoldenError(f"cannot read golden {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise GoldenError(f"golden {path}: not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise GoldenError(f"golden {path}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise GoldenError(f"golden {path}: JSON nested too deeply to be a golden") from None
+
+
+def validate_golden(g: object, path: Path | str = "<golden>") -> dict:
+    """Check every field a gate reads, by type, shape and range, before any generation; returns `g`.
+
+    The check is strict because a golden is trusted: an id stored as a string or a bool would compare unequal
+    token by token yet give the same md5, so a malformed golden could make the gate's table and verdict disagree.
+    """
+    def bad(where: str, want: str, got) -> GoldenError:
+        shown = json.dumps(got)[:60] if not isinstance(got, (dict, list)) else type(got).__name__
+        return GoldenError(f"golden {path}: {where} must be {want}, got {shown}")
+
+    if not isinstance(g, dict):
+        raise bad("the top level", "a JSON object", g)
     need = ("format", "weights", "dtype", "device", "source", "new_tokens", "prompts", "md5", "provenance")
-    missing = [k for k in need if not isinstance(g, dict) or k not in g]
+    missing = [k for k in need if k not in g]
     if missing:
         raise GoldenError(f"golden {path} lacks {', '.join(missing)}")
-    if g["format"] != FORMAT:
+    if g["format"] != FORMAT or not _is_int(g["format"]):
         raise GoldenError(f"golden {path} has format {g['format']!r}; this suite reads format {FORMAT}")
+    for k, allowed in (("dtype", DTYPES), ("device", DEVICES), ("source", SOURCES)):
+        if not isinstance(g[k], str) or g[k] not in allowed:
+            raise bad(k, f"one of {', '.join(allowed)}", g[k])
+    if not isinstance(g["weights"], str) or not g["weights"]:
+        raise bad("weights", "a weights id string", g["weights"])
+    if not isinstance(g["md5"], str) or not HEX_MD5.fullmatch(g["md5"]):
+        raise bad("md5", "32 lowercase hex digits", g["md5"])
     n = g["new_tokens"]
-    for i, p in enumerate(g["prompts"]):
+    if not _is_int(n) or not 1 <= n <= MAX_NEW_TOKENS:
+        raise bad("new_tokens", f"an integer in 1..{MAX_NEW_TOKENS}", n)
+    prov = g["provenance"]
+    if not isinstance(prov, dict):
+        raise bad("provenance", "a JSON object", prov)
+    for k in ("implementation", "time", "device_name"):
+        if not isinstance(prov.get(k), str) or not prov[k]:
+            raise bad(f"provenance.{k}", "a non-empty string", prov.get(k))
+    if prov.get("weights", g["weights"]) != g["weights"]:
+        raise bad("provenance.weights", f"the golden's weights {g['weights']}", prov.get("weights"))
+    prompts = g["prompts"]
+    if not isinstance(prompts, list) or not 1 <= len(prompts) <= MAX_PROMPTS:
+        raise bad("prompts", f"a list of 1..{MAX_PROMPTS} prompts", prompts)
+    for i, p in enumerate(prompts):
+        where = f"prompts[{i}]"
+        if not isinstance(p, dict):
+            raise bad(where, "a JSON object", p)
         for k in ("ids", "expected", "topk_ids", "topk_logprobs"):
             if k not in p:
                 raise GoldenError(f"golden {path} prompt {i} lacks {k!r}")
+            if not isinstance(p[k], list):
+                raise bad(f"{where}.{k}", "a list", p[k])
+        for k in ("ids", "expected"):
+            for j, t in enumerate(p[k]):
+                if not _is_int(t) or not 0 <= t < 2 ** 31:
+                    raise bad(f"{where}.{k}[{j}]", "a token id (an integer in 0..2^31-1)", t)
+        if not p["ids"]:
+            raise bad(f"{where}.ids", "a non-empty list of token ids", p["ids"])
         if not (len(p["expected"]) == len(p["topk_ids"]) == len(p["topk_logprobs"]) == n):
             raise GoldenError(f"golden {path} prompt {i}: expected/topk lengths differ from new_tokens {n}")
+        for step, (top, lp) in enumerate(zip(p["topk_ids"], p["topk_logprobs"])):
+            at = f"{where} step {step}"
+            if not isinstance(top, list) or not 1 <= len(top) <= MAX_TOPK or not all(
+                    _is_int(t) and 0 <= t < 2 ** 31 for t in top):
+                raise bad(f"{at} topk_ids", f"a list of 1..{MAX_TOPK} token ids", top)
+            if not isinstance(lp, list) or len(lp) != len(top) or not all(_is_number(x) for x in lp):
+                raise bad(f"{at} topk_logprobs", f"{len(top)} finite numbers (one per topk id)", lp)
+            if any(a < b for a, b in zip(lp, lp[1:])):
+                raise bad(f"{at} topk_logprobs", "in descending order", lp)
+            if len(set(top)) != len(top):
+                raise bad(f"{at} topk_ids", "distinct ids", top)
         for step, (t, top, lp) in enumerate(zip(p["expected"], p["topk_ids"], p["topk_logprobs"])):
             if not _is_greedy(t, top, lp):
                 raise GoldenError(f"golden {path} prompt {i} step {step}: expected id {t} is not the top-1 "
                                   f"of its own top-k {top[:3]}...")
-    if ids_md5([p["expected"] for p in g["prompts"]]) != g["md5"]:
+    if ids_md5([p["expected"] for p in prompts]) != g["md5"]:
         raise GoldenError(f"golden {path}: its md5 {g['md5']} does not match its own expected ids (edited by hand?)")
     return g
+
+
+def load_golden(path: str | Path) -> dict:
+    """Read and validate a golden file (`validate_golden`: every field's type, shape and range, its own md5)."""
+    path = Path(path)
+    return validate_golden(_read_json(path), path)
 
 
 def check_golden(g: dict, path: Path, weights: str | None, prompt_ids: list[list[int]] | None,
@@ -218,15 +311,36 @@ def _device_name(device: str, prov: dict) -> str:
     return f"cpu: {prov['machine']['cpu']}"
 
 
-def write_golden(g: dict, path: str | Path) -> Path:
-    """Write a new golden file; never overwrites one (a committed golden is replaced on purpose, by hand)."""
+def check_golden_writable(path: str | Path) -> Path:
+    """Refuse, before any generation, a golden path that exists (a committed golden is replaced on purpose, by
+    hand) or whose folder cannot be made or written."""
     path = Path(path)
-    if path.exists():
+    if path.exists() or path.is_symlink():
         raise GoldenError(f"{path} exists; delete it first to replace it, or pass --golden NEWPATH")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise GoldenError(f"--golden {path}: cannot write in {folder}")
+    return path
+
+
+def write_golden(g: dict, path: str | Path) -> Path:
+    """Write a new golden file; never overwrites one (`check_golden_writable`)."""
+    path = check_golden_writable(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GoldenError(f"--golden {path}: cannot make its folder: {e.strerror or e}") from None
     text = json.dumps(g, indent=1, ensure_ascii=False)
     # Each list of numbers on one line (prompt ids, expected ids, one step's top-k): readable, diffable. Only
     # indented lists start with "[\n"; a JSON string never holds a raw newline, so no string is touched.
     text = re.sub(r"\[\n[-+.,\deE\s]*\]", lambda m: "[" + " ".join(m.group(0)[1:-1].split()) + "]", text)
-    path.write_text(text + "\n")
+    try:
+        with open(path, "x") as f:      # "x": never replaces a file that appeared meanwhile
+            f.write(text + "\n")
+    except FileExistsError:
+        raise GoldenError(f"{path} exists; delete it first to replace it, or pass --golden NEWPATH") from None
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            path.unlink()       # a partial file (a full disk) is not a golden
+        raise GoldenError(f"--golden {path}: cannot write it: {e.strerror or e}") from None
     return path

@@ -45,6 +45,12 @@ KERNELS = ("auto", "torch", "triton")
 SOURCES = ("hf", "self")
 DEFAULT_FLOOR_GIB = 15.0
 DEFAULT_TOPK = 10
+# Bounds on the numeric options, so that a typo is refused before a run rather than running until killed: the
+# recompute path's cost grows with the square of the new tokens, no GPU has a TiB of memory, and torch's
+# generators take 64-bit seeds.
+MAX_NEW_TOKENS = 1024
+MAX_FLOOR_GIB = 1024.0
+MAX_SEED = 2 ** 63 - 1
 
 # Exit codes of every gate command.
 EXIT_PASS, EXIT_FAIL, EXIT_REFUSED = 0, 1, 2
@@ -103,6 +109,24 @@ def context_len(b: Battery, new_tokens: int) -> int:
     return max(map(len, b.ids)) + new_tokens
 
 
+def check_new_tokens(n) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_NEW_TOKENS:
+        raise ValueError(f"--new-tokens must be an integer in 1..{MAX_NEW_TOKENS}, got {n!r}")
+    return n
+
+
+def check_floor_gib(x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= MAX_FLOOR_GIB:  # NaN, inf fail too
+        raise ValueError(f"--floor-gib must be a number of GiB in 0..{MAX_FLOOR_GIB:g}, got {x!r}")
+    return float(x)
+
+
+def check_seed(seed) -> int:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"--seed must be an integer in 0..2^63-1, got {seed!r}")
+    return seed
+
+
 def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT_NEW_TOKENS,
             floor_gib=DEFAULT_FLOOR_GIB, source="hf", golden=None, seed=0, kernels="auto", expert_dtype=None,
             exact: bool = False, reader: Callable[[], MemReading | None] = read_device_memory, log=print) -> Options:
@@ -126,10 +150,9 @@ def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT
         expert_dtype = None  # one dtype for the whole model: nothing held apart
     if expert_dtype is not None and expert_dtype not in DTYPES:  # every DTYPES key holds bf16 experts exactly
         raise ValueError(f"--expert-dtype {expert_dtype!r}: expected one of {', '.join(DTYPES)}")
-    if not isinstance(new_tokens, int) or new_tokens < 1:
-        raise ValueError(f"--new-tokens must be a positive integer, got {new_tokens!r}")
-    if not floor_gib >= 0:
-        raise ValueError(f"--floor-gib must be >= 0, got {floor_gib!r}")
+    check_new_tokens(new_tokens)
+    check_floor_gib(floor_gib)
+    check_seed(seed)
     if source not in SOURCES:
         raise ValueError(f"--source {source!r}: expected one of {SOURCES}")
     if kernels not in KERNELS:
