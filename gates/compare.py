@@ -167,6 +167,50 @@ def noise_check(test: "PromptResult", control: "PromptResult", control_name: str
     return NoiseCheck(control_name, control.first_divergence, tn, cn, early or close)
 
 
+# The logit criterion (Gate A in the exact modes): the test path's logits may stray from the reference's by at
+# most LOGIT_FACTOR times the noise floor, the largest difference between the reference and a second correct
+# computation of the same logits measured in the same run. A planted error that moves some step's logits by twice
+# the bound's factor of the floor or more fails; clean runs stay within ~1.2x of the floor (docs/GATE_A.md).
+LOGIT_FACTOR = 10.0
+FP32_RESOLUTION = 2.0 ** -23    # the floor is never taken below one fp32 unit of the largest logit
+
+
+@dataclass(frozen=True)
+class LogitBound:
+    """How far the test path's logits may stray from the reference's at any step, and where that comes from."""
+    control: str                  # the second computation of the reference's logits
+    floor: float                  # max |logit_reference - logit_control| over every prompt and step
+    floor_at: tuple[int, int]     # (prompt, step) of that maximum
+    resolution: float             # FP32_RESOLUTION x the largest |logit| of the reference
+    factor: float
+    enforced: bool                # False in bf16: reported, never failing
+
+    @property
+    def bound(self) -> float:
+        return self.factor * max(self.floor, self.resolution)
+
+    def derivation(self) -> str:
+        return (f"logit bound {self.bound:.3g} = {self.factor:g} x max(noise floor {self.floor:.3g} "
+                f"[reference vs {self.control}, prompt {self.floor_at[0]} step {self.floor_at[1]}], "
+                f"fp32 resolution {self.resolution:.3g})" + ("" if self.enforced else "; reported, not enforced"))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "bound": self.bound, "derivation": self.derivation()}
+
+
+def logit_bound(reference: list[list[torch.Tensor]], control: list[list[torch.Tensor]], control_name: str,
+                enforced: bool, factor: float = LOGIT_FACTOR) -> LogitBound:
+    """The bound from per-prompt, per-step logits rows of the reference and of the control (same contexts)."""
+    floor, at, top = 0.0, (0, 0), 0.0
+    for p, (ref, ctl) in enumerate(zip(reference, control)):
+        for step, (a, b) in enumerate(zip(ref, ctl)):
+            d = float((a.double() - b.double()).abs().max())
+            if d > floor or (p, step) == (0, 0):
+                floor, at = d, (p, step)
+            top = max(top, float(a.abs().max()))
+    return LogitBound(control_name, floor, at, FP32_RESOLUTION * top, factor, enforced)
+
+
 @dataclass
 class PromptResult:
     prompt: int
@@ -176,6 +220,14 @@ class PromptResult:
     # per step, while both sides saw the same context (steps 0..first divergence): max |logit_ref - logit_test|
     max_abs_logit_diff: list[float] = field(default_factory=list)
     noise: NoiseCheck | None = None  # set by a gate that ran a control (Gate A on the Triton kernels)
+
+    def logit_excess(self, bound: LogitBound | None) -> tuple[int, float] | None:
+        """(step, size) of the largest logit difference when it passes the bound, else None."""
+        if bound is None or not self.max_abs_logit_diff:
+            return None
+        worst = max(range(len(self.max_abs_logit_diff)), key=self.max_abs_logit_diff.__getitem__)
+        size = self.max_abs_logit_diff[worst]
+        return (worst, size) if not size <= bound.bound else None     # NaN passes no bound
 
     @property
     def first_divergence(self) -> int | None:
@@ -210,6 +262,7 @@ class GateResult:
     ref_name: str
     test_name: str
     prompts: list[PromptResult]
+    logit_bound: LogitBound | None = None   # Gate A's logit criterion; None: tokens only (Gate B)
 
     @property
     def score(self) -> int:
@@ -219,20 +272,42 @@ class GateResult:
     def total(self) -> int:
         return sum(p.n for p in self.prompts)
 
+    def failed_criteria(self, p: PromptResult) -> str:
+        """Which criteria the prompt fails: 'tokens', 'logits', 'both' or '-' (a logit excess counts only where
+        the bound is enforced; in bf16 it is shown, marked 'logits (reported)')."""
+        tokens, logits = p.divergence is not None, p.logit_excess(self.logit_bound) is not None
+        if logits and not self.logit_bound.enforced:
+            return "tokens" if tokens else "logits (reported)"
+        return {(True, True): "both", (True, False): "tokens", (False, True): "logits"}.get((tokens, logits), "-")
+
+    @property
+    def logits_passed(self) -> bool:
+        b = self.logit_bound
+        return b is None or not b.enforced or all(p.logit_excess(b) is None for p in self.prompts)
+
     @property
     def passed(self) -> bool:
-        return self.score == self.total
+        return self.score == self.total and self.logits_passed
 
     @property
     def diagnoses(self) -> list[Divergence]:
         return [p.divergence for p in self.prompts if p.divergence is not None]
 
     def table(self) -> str:
-        rows = [f"{'prompt':>6}  {'k/n':>7}  {'first div':>9}  {'max|dlogit|':>11}  verdict"]
+        fails = self.logit_bound is not None
+        rows = [f"{'prompt':>6}  {'k/n':>7}  {'first div':>9}  {'max|dlogit|':>11}  {'verdict':<8}"
+                + ("  failed" if fails else "")]
         for p in self.prompts:
             dl = f"{max(p.max_abs_logit_diff):.2e}" if p.max_abs_logit_diff else "-"
             fd = "-" if p.first_divergence is None else str(p.first_divergence)
-            rows.append(f"{p.prompt:>6}  {f'{p.k}/{p.n}':>7}  {fd:>9}  {dl:>11}  {p.verdict}")
+            rows.append(f"{p.prompt:>6}  {f'{p.k}/{p.n}':>7}  {fd:>9}  {dl:>11}  {p.verdict:<8}"
+                        + (f"  {self.failed_criteria(p)}" if fails else ""))
+        if fails:
+            rows.append(self.logit_bound.derivation())
+            for p in self.prompts:
+                if (x := p.logit_excess(self.logit_bound)) is not None:
+                    rows.append(f"prompt {p.prompt}: logits stray {x[1]:.3g} at step {x[0]}, "
+                                f"{x[1] / self.logit_bound.bound:.3g}x the bound {self.logit_bound.bound:.3g}")
         rows += [d.explain() for d in self.diagnoses]
         rows += [f"prompt {p.prompt}: {p.noise.explain()}" for p in self.prompts if p.noise is not None]
         return "\n".join(rows)
@@ -244,16 +319,30 @@ class GateResult:
         checked = [p.noise for p in self.prompts if p.noise is not None]
         noise = (f"; {sum(c.within_noise for c in checked)} of {len(checked)} within the noise floor of "
                  f"{checked[0].control}" if checked else "")
-        why = "" if self.passed else " (" + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + noise + ")"
-        return (f"{self.gate} {'PASS' if self.passed else 'FAIL'} {self.score}/{self.total}: "
+        why = "" if self.score == self.total else (
+            " (" + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + noise + ")")
+        logits = ""
+        if self.logit_bound is not None:
+            over = [p for p in self.prompts if p.logit_excess(self.logit_bound) is not None]
+            state = "enforced" if self.logit_bound.enforced else "reported"
+            logits = (f"; logits {len(self.prompts) - len(over)}/{len(self.prompts)} prompts within "
+                      f"{self.logit_bound.bound:.3g} ({state})")
+        return (f"{self.gate} {'PASS' if self.passed else 'FAIL'} {self.score}/{self.total}{logits}: "
                 f"{self.test_name} vs {self.ref_name}{why}")
 
     def results(self) -> dict:
         """The record's `results` fields shared by both gates."""
+        b = self.logit_bound
+        excess = lambda p: p.logit_excess(b)
         return {
             "score": self.score, "total": self.total, "passed": self.passed,
+            **({"tokens_passed": self.score == self.total, "logits_passed": self.logits_passed,
+                "logit_bound": b.to_dict()} if b is not None else {}),
             "per_prompt": [{"prompt": p.prompt, "k": p.k, "n": p.n, "first_divergence": p.first_divergence,
-                            "verdict": p.verdict, **({"noise": asdict(p.noise)} if p.noise else {})}
+                            "verdict": p.verdict, **({"noise": asdict(p.noise)} if p.noise else {}),
+                            **({"failed": self.failed_criteria(p),
+                                "logit_excess": None if excess(p) is None else
+                                {"step": excess(p)[0], "max_abs_logit_diff": excess(p)[1]}} if b is not None else {})}
                            for p in self.prompts],
             "diagnoses": [d.to_dict() for d in self.diagnoses],
         }

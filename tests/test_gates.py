@@ -90,7 +90,7 @@ def test_cli_gate_a_passes_on_tiny(tmp_path, subject):
     assert [len(d) for d in res["max_abs_logit_diff"]] == [16] * 8
     # the two paths agree to rounding, far inside the near-tie epsilon
     assert 0 < res["max_abs_logit_diff_overall"] < 1e-4 == res["near_tie_eps"]
-    assert set(res["timings"]) == {"load_s", "recompute_s", "incremental_s", "control_s", "total_s"}
+    assert set(res["timings"]) == {"load_s", "recompute_s", "incremental_s", "control_s", "logit_floor_s", "total_s"}
     assert res["timings"]["control_s"] == 0  # nothing diverged: no control run
     assert (rec["kind"], rec["dtype"], rec["device"], rec["weights"]) == ("gate_a", "float32", "cpu", subject.weights)
     assert rec["verdict"] == "VALID" and rec["params"]["new_tokens"] == 16
@@ -294,12 +294,12 @@ def test_cli_memory_gate_skips_without_a_gpu(tmp_path, monkeypatch, capsys):
 # ---- bad input ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(new_tokens=0), "--new-tokens must be a positive integer"),
+    (dict(new_tokens=0), r"--new-tokens must be an integer in 1\.\.1024"),
     (dict(preset="huge"), "unknown preset 'huge'"),
     (dict(preset="tiny", model="."), "--preset or --model, not both"),
     (dict(model="/nonexistent"), "no such checkpoint directory"),
     (dict(dtype="fp8"), "--dtype 'fp8'"),
-    (dict(floor_gib=-1), "--floor-gib must be >= 0"),
+    (dict(floor_gib=-1), r"--floor-gib must be a number of GiB in 0\.\.1024"),
 ])
 def test_resolve_rejects_bad_options(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -309,7 +309,7 @@ def test_resolve_rejects_bad_options(kw, match):
 def test_cli_bad_input_exits_2(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KIMI_RECORDS_DIR", str(tmp_path))
     assert main(["gate-a", "--new-tokens", "0", "--device", "cpu"]) == EXIT_REFUSED
-    assert "error: --new-tokens must be a positive integer" in capsys.readouterr().err
+    assert "error: --new-tokens must be an integer in 1..1024, got 0" in capsys.readouterr().err
     assert not (tmp_path / "gate_a.jsonl").exists()
     with pytest.raises(SystemExit) as e:  # argparse: unknown choices
         main(["gate-a", "--dtype", "fp8"])
