@@ -85,7 +85,7 @@ def import_run(src: str | Path, commit: str, note: str, root: str | Path | None 
         store.line_of(r)
     traces = []
     for r in new:
-        trace = get_trace(r)
+        trace = _trace_of(r)
         if trace is None:
             continue
         rel = _trace_path(trace, r)
@@ -107,7 +107,7 @@ def import_run(src: str | Path, commit: str, note: str, root: str | Path | None 
     return counts, problems
 
 
-def get_trace(r: dict) -> str | None:
+def _trace_of(r: dict) -> str | None:
     """The trace file a record names (`results.trace`), or None."""
     trace = (r.get("results") or {}).get("trace")
     return trace if isinstance(trace, str) else None
@@ -117,7 +117,7 @@ def _trace_path(trace: str, r: dict) -> PurePosixPath:
     """The trace's path inside a tree, or ImportRefused: an absolute path, a `..`, or a path outside
     reports/traces/ would copy a file to, or from, somewhere other than the traces folder."""
     rel = PurePosixPath(trace)
-    if rel.is_absolute() or ".." in rel.parts or rel.parts[:2] != TRACES or len(rel.parts) < 3:
+    if rel.is_absolute() or ".." in rel.parts or rel.parts[:2] != TRACES or len(rel.parts) < 3 or "\0" in trace:
         raise ImportRefused(f"record {r['id'][:8]}: results.trace {trace!r} must be a relative path under "
                             f"{'/'.join(TRACES)}/ without '..'")
     return rel

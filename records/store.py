@@ -266,9 +266,9 @@ def _scalar(x) -> bool:
 def _erratum_field(x) -> bool:
     """A field an erratum may void: `verdict`, `reasons`, or a field inside git, machine, params or results (the
     report indexes every top-level field, so voiding one whole would take it down)."""
-    return isinstance(x, str) and (x in ("verdict", "reasons") or (
-        x.split(".", 1)[0] in ("git", "machine", "params", "results") and all(x.split("."))
-        and len(x.split(".")) >= 2))
+    parts = x.split(".") if isinstance(x, str) else []
+    return x in ("verdict", "reasons") or (
+        len(parts) >= 2 and parts[0] in ("git", "machine", "params", "results") and all(parts))
 
 
 TEXT = ("a string", lambda x: isinstance(x, str))

@@ -24,7 +24,9 @@ history's (`clock_note`), and a prefill record says how many of its calls the ho
 inform and do not change the verdict.
 
 `python -m reports.regress [--records DIR]` checks the latest run of every fingerprint and exits 1
-when any regressed.
+when any regressed, 0 when none did, 2 when it could not run (a records folder that is not there, a bad option),
+with one line saying which. Record lines that are not records are skipped with a warning naming each, and a record
+whose latencies `check` cannot use (not finite positive numbers) is not judged, nor taken as another's history.
 """
 from __future__ import annotations
 

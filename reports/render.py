@@ -541,8 +541,9 @@ def gates_section(gates: list[dict], out: Path) -> Section:
             ax.scatter([when(r) for r in failed], [get(r, "results.score") / get(r, "results.total") for r in failed],
                        color="red", s=80, zorder=5, label=f"{kind} failed" if failed else None)
             for r in failed:
-                ax.annotate(plot_text(f"{get(r, 'results.score')}/{get(r, 'results.total')}"), (when(r), get(r, "results.score")
-                            / get(r, "results.total")), textcoords="offset points", xytext=(8, 0), color="red")
+                ax.annotate(plot_text(f"{get(r, 'results.score')}/{get(r, 'results.total')}"),
+                            (when(r), get(r, "results.score") / get(r, "results.total")), textcoords="offset points",
+                            xytext=(8, 0), color="red")
     ticks = latest_by(gates, commit)
     ax.set_xticks([when(r) for r in ticks.values()], [plot_text(c) for c in ticks], rotation=45, fontsize=7)
     ax.set(ylabel="score k/N", title="gate scores per run")
@@ -769,21 +770,15 @@ def memory_section(memory: list[dict], out: Path) -> Section:
     return s
 
 
-SECTION_TITLES = ("Targets", "Nightly runs", "Speed against context length", "Speed history and regressions",
-                  "Gates", "Decode time decomposition", "Kernel timings, ours vs peer", "Memory audit",
-                  "INVALID records", "Errata")
-
-
 def guarded(title: str, draw) -> Section:
-    """`draw()`, or where it fails on its records a section that says so: one section must not take the report down.
-    Every figure it opened is closed either way."""
+    """`draw()`, or where it fails on its records a section titled `title` that says so: one section must not take
+    the report down. Every figure it opened is closed either way."""
     try:
         return draw()
     except Exception as e:
         why = f"{type(e).__name__}: {e}"
-        s = Section(title, [f"This section could not be drawn from its records ({why}); the rest of the report "
-                            f"is."], failed=why)
-        return s
+        return Section(title, [f"This section could not be drawn from its records ({why}); the rest of the report "
+                               f"is."], failed=why)
     finally:
         plt.close("all")
 
@@ -793,21 +788,22 @@ def build(loaded, out: Path) -> list[Section]:
     records, errata = apply_errata(records)
     valid = [r for r in records if r["verdict"] == "VALID"]
     of = lambda *kinds: [r for r in valid if r["kind"] in kinds]
-    draws = (
-        lambda: targets_section(valid),
-        lambda: nightly_section(of("nightly")),
-        lambda: speed_section(of("bench"), out),
-        lambda: history_section(of("bench"), out),
-        lambda: gates_section(of("gate_a", "gate_b"), out),
-        lambda: decomposition_section([r for r in of("decomposition") if get(r, "params.phase", "decode") == "decode"
-                                       and not get(r, "params.variant")], out),
-        lambda: kernels_section(of("kernel"), out),
-        lambda: memory_section(of("memory"), out),
-        lambda: invalid_section(records),
-        lambda: errata_section(errata),
+    draws = (  # each section's title (for the note where it fails) and how to draw it
+        ("Targets", lambda: targets_section(valid)),
+        ("Nightly runs", lambda: nightly_section(of("nightly"))),
+        ("Speed against context length", lambda: speed_section(of("bench"), out)),
+        ("Speed history and regressions", lambda: history_section(of("bench"), out)),
+        ("Gates", lambda: gates_section(of("gate_a", "gate_b"), out)),
+        ("Decode time decomposition", lambda: decomposition_section(
+            [r for r in of("decomposition") if get(r, "params.phase", "decode") == "decode"
+             and not get(r, "params.variant")], out)),
+        ("Kernel timings, ours vs peer", lambda: kernels_section(of("kernel"), out)),
+        ("Memory audit", lambda: memory_section(of("memory"), out)),
+        ("INVALID records", lambda: invalid_section(records)),
+        ("Errata", lambda: errata_section(errata)),
     )
     with matplotlib.rc_context({"text.usetex": False}):  # TeX would read record text as markup of its own
-        return [problems_section(loaded.problems)] + [guarded(t, d) for t, d in zip(SECTION_TITLES, draws)]
+        return [problems_section(loaded.problems)] + [guarded(title, draw) for title, draw in draws]
 
 
 # ---- writers -----------------------------------------------------------------------------------
