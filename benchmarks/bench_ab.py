@@ -1,5 +1,5 @@
 """Model-level A/B of kernel launch configs: the whole prefill timed under the defaults and under each variant,
-in interleaved rounds of one process, so that a kernel that wins alone (`bench_kernels`) is also judged where
+in interleaved rounds of one process, so that a kernel that wins alone (`benchmarks.kernels`) is also judged where
 the model runs it.
 
     python -m benchmarks.bench_ab --variant 'down=moe_grouped:{"use": ["down"]}' \
@@ -24,12 +24,12 @@ under the power cap), since a faster kernel can lose its gain to a lower clock i
 power-capped prefill. A variant whose logits are non-finite or differ past `LOGITS_TOL` is INVALID.
 
 A variant can also be code: NAME=MODULE@REV runs the arm with the kernel module as it was at git revision REV
-(`'old_prep=kda_chunk@0a1039e'`: its file from `git show`, loaded beside today's, `code_at`), in place of today's
+(`'old_prep=kda_chunk@REV'`: its file from `git show`, loaded beside today's, `code_at`), in place of today's
 for the arm's calls (`model.ops` imports each kernel module's entry points when it calls them, so the swap reaches
 every call the model makes into it). An arm that no call reached is an error, not a silent copy of the defaults;
 its record's `params.changes` is {"@": the full commit}. Such an arm may change the rounding, which this
 random-weight model amplifies, so it is held to `CODE_LOGITS_TOL`.
-    python -m benchmarks.bench_ab --variant 'old_prep=kda_chunk@0a1039e' [--prefill 8192,32768]
+    python -m benchmarks.bench_ab --variant 'old_prep=kda_chunk@REV' [--prefill 8192,32768]
 """
 from __future__ import annotations
 
@@ -57,8 +57,7 @@ from records.store import REPO_ROOT, git
 # tile or expert moves bf16 logits by order 1.
 LOGITS_TOL = 2e-2
 # Code may change the rounding: a change of KDA's rounding alone moves the random-weight 48B model's 8k logits by
-# about 0.1 relative RMS (chunks of 16 70993f22, the scan's dots in tf32 6b20d374, the prep kernel 8b3e7312); a
-# wrong kernel still moves them by order 1.
+# about 0.1 relative RMS (docs/kernels.md#kda-chunk-launch-config); a wrong kernel still moves them by order 1.
 CODE_LOGITS_TOL = 0.5
 CODE = "@"  # the key of a code arm's changes: {"@": revision}
 

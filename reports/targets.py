@@ -131,7 +131,7 @@ _memory = _each(lambda rs: _oldest_first(rs, lambda r: (
     r["kind"] == "memory" and r.get("preset") == "48b-a3b" and _on_gpu(r))), _memory_read)
 
 
-KERNEL_SHAPE = {"B", "T", "H", "d"}  # what a bench_kernels default record names beside its op
+KERNEL_SHAPE = {"B", "T", "H", "d"}  # what a kernel benchmark default record names beside its op
 
 
 def variant_keys(r: dict) -> set[str]:
