@@ -33,6 +33,7 @@ import gc
 import importlib
 import inspect
 import os
+import sys
 import time
 import traceback
 import uuid
@@ -43,6 +44,7 @@ import torch
 from benchmarks import roofline
 from benchmarks.cli import ints
 from benchmarks.timing import Samples, clock_sampler, log, summarize, sync, time_calls, time_steps
+from records.exits import run_main
 
 PEERS = ("hf", "hf-fla")
 HF_MODULE = "transformers.models.kimi_linear.modeling_kimi_linear"
@@ -171,7 +173,7 @@ def hf_decode(hf, ids: torch.Tensor, steps: int, device) -> dict:
                     do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=hf.config.pad_token_id,
                     logits_processor=LogitsProcessorList([clock]))
     # The first decode step is warm-up, as ours are: it carries fla's autotuning of the decode kernel at a new
-    # shape (H200, record b2aff72e: 794 ms, then ~147 ms a step).
+    # shape, several times a later step's time (docs/RESULTS.md, "Notes behind the code").
     ms = [1000.0 * (b - a) for a, b in zip(clock.stamps[1:], clock.stamps[2:])]
     # the clocks cover generate's prefill and warm-up step too: a few of its many steps
     samples = Samples(ms, 1000.0 * (clock.stamps[-1] - clock.stamps[1]), clocks.summary() if cuda else None)
@@ -244,7 +246,7 @@ def recompute_decode(s: Settings, model, ids: torch.Tensor) -> dict:
 
     Two, because Triton compiles a kernel again when an integer argument stops being a multiple of 16 (its
     specialisation): the warm-up at the context length (1024) and the next length (1025) compile both
-    variants; run ec54d32a79dd timed the second compile (4.7 s of a 2-step median, erratum record)."""
+    variants; with one, the second compile landed in the timed steps (docs/RESULTS.md, "Notes behind the code")."""
     state = {"ids": ids, "finite": []}
 
     def step():
@@ -380,8 +382,8 @@ def host_pacing(samples: Samples) -> dict:
 
 def peer_measured(res: dict | None, reason: str | None, tokens: int, peer: str) -> Outcome:
     """`measured` for a peer, except that a peer running out of memory is a skip, not a failure: it shares our
-    weights on one device, and at long contexts HF alone asks for more than is left (H200, 128k context: 128 GiB,
-    record 735d8fcb, which that OOM made INVALID although ours was measured). No peer figure either way."""
+    weights on one device, and at long contexts HF alone asks for more than is left (128 GiB at 128k context on
+    the H200, docs/RESULTS.md, "Notes behind the code"). No peer figure either way."""
     out = measured(res, reason, tokens, peer)
     if res is None and reason.startswith("out of memory"):
         out.reason, out.invalid = f"{peer} not measured (does not fit beside ours): {reason}", False
@@ -690,9 +692,9 @@ def settings(argv: list[str] | None = None) -> Settings:
 def main(argv: list[str] | None = None) -> list[dict]:
     # fla reads this when imported (by HF's module, later): measure its Triton KDA path (SPEC.md §2).
     os.environ.setdefault("FLA_FLASH_KDA", "0")
-    from gates.memory import param_counts
     from model.build import load_model
     from model.config import get_config
+    from model.params import param_counts
 
     s = settings(argv)
     log(f"bench_e2e: {s}")
@@ -712,4 +714,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, kinds=('bench',)))

@@ -34,6 +34,7 @@ import gc
 import gzip
 import json
 import os
+import sys
 import tempfile
 import traceback
 import uuid
@@ -46,6 +47,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from benchmarks import bench_ab
 from benchmarks.categories import categorize, decompose
 from benchmarks.timing import log, summarize, sync, time_steps
+from records.exits import run_main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODES = ("eager", "graph")
@@ -138,8 +140,8 @@ def profile_steps(step, steps: int, device) -> dict:
             for i in range(total):
                 step()
                 # The window holds exactly the active steps' kernels: the steps before it finish before it opens
-                # (a sync-free prefill let the CPU run ahead, and a warm-up step's kernels ran inside the window:
-                # record 1bf6bb21 counted 23.5 KDA prep calls a step for 20 layers), the last finishes inside it.
+                # (a sync-free prefill lets the CPU run ahead, and a warm-up step's kernels would run inside the
+                # window and be counted as the active steps'), the last finishes inside it.
                 if i in (PROFILER_WAIT + PROFILER_WARMUP - 1, total - 1):
                     sync(device)
                 prof.step()
@@ -339,4 +341,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main, kinds=('decomposition',)))

@@ -31,6 +31,7 @@ from model.build import Loaded, from_state_dict, is_small
 from model.config import KimiConfig, get_config
 from model.weights import synthetic_weights, weights_id
 from records import store
+from records.exits import run_main
 
 DEFAULT_RELS = (1e-1, 1e-2, 1e-3, 1e-4)
 
@@ -174,4 +175,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, kinds=("detection",)))

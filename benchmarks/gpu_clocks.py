@@ -13,8 +13,8 @@ Where the sampling runs (`where`):
   its stdin. The timed process only writes those two lines, outside the timed region, so the sampler takes none
   of its interpreter's time. A sampling thread can: each of its NVML reads gives up the GIL and takes it back,
   and an eager 1k prefill, whose host keeps only a few ms ahead of the GPU, may have to win the GIL back from it
-  (docs/RESULTS.md, "Reading a prefill record"). `benchmarks.bench_ab` times the two against no sampler; in run
-  c9a2b3d32cf8 neither stood out of the host's own noise, at 1k or at 8k.
+  (docs/RESULTS.md, "Reading a prefill record"). `benchmarks.bench_ab` times the two against no sampler; neither
+  stood out of the host's own noise, at 1k or at 8k (docs/RESULTS.md, "Notes behind the code").
 - "thread": the same reads on a thread of the timed process (how every record before this module's change was
   sampled); kept for that A/B.
 - "off": nothing read; `summary()` is None.
@@ -26,7 +26,7 @@ for single calls of 0.05 to 0.6 s, and are not read here (errata in records/; `b
 energy counter over sustained runs of seconds): the board's energy
 (`nvmlDeviceGetTotalEnergyConsumption`) gave 117 J over a 137 ms prefill, 855 W on a 700 W board; the time under
 the power cap (`nvmlDeviceGetViolationStatus`, power policy) gave 108% of an 8k prefill's GPU time, and 100% of a
-1k prefill's whose samples carried the cap in 38% at a 1,974 MHz mean (run c9a2b3d32cf8). Nor is the mean SM clock
+1k prefill's whose samples carried the cap in 38% at a 1,974 MHz mean (on the H200). Nor is the mean SM clock
 read without sampling: on the H200's driver NVML keeps no SM-clock sample buffer (`nvmlDeviceGetSamples` answers
 "Not Found").
 """

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.timing import sync, time_calls
-from gates.memory import param_counts
 from model.config import KimiConfig, get_config
+from model.params import param_counts
+from records.exits import run_main
 
 GB = 1e9
 KDA_CHUNK = 64  # chunk length of the chunked KDA form as fla runs it (the work counted, not our launch choice)
@@ -190,4 +192,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -12,6 +12,7 @@ still recorded, INVALID, with the exception, where the records folder can be wri
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -24,8 +25,9 @@ from records import store
 from .golden import GOLDEN_DIR, check_golden_writable, golden_name, make_golden, write_golden
 from .memory import MemoryFloorError
 from .prompts import DEFAULT_NEW_TOKENS
-from .run import (DEFAULT_FLOOR_GIB, DEVICES, DTYPES, EXIT_PASS, EXIT_REFUSED, KERNELS, SOURCES, GateRefused,
-                  Options, battery_for, context_len, floor_guard, limit_cpu_threads, load_subject, refused, resolve)
+from .run import (DEFAULT_FLOOR_GIB, DEVICES, DTYPES, EXIT_PASS, EXIT_REFUSED, KERNELS, RECORD_KINDS, SOURCES,
+                  GateRefused, Options, battery_for, context_len, floor_guard, limit_cpu_threads, load_subject,
+                  refused, resolve)
 
 COMMANDS = {
     "gate-a": "Gate A: incremental decode must give exactly the recompute path's tokens",
@@ -65,15 +67,29 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_no_outside_links(folder: str) -> None:
+    """HF reads more of a checkpoint folder than our loader does (generation_config.json, ...): refuse a link in it
+    that leads outside the folder, which our loader would never follow."""
+    root = os.path.realpath(folder)
+    for entry in sorted(Path(folder).iterdir()):
+        if entry.is_symlink() and os.path.commonpath([root, os.path.realpath(entry)]) != root:
+            raise ValueError(f"{entry}: a link out of the checkpoint folder; copy the checkpoint with its links "
+                             f"resolved (cp -rL)")
+
+
 def golden_command(opts: Options) -> int:
     path = Path(opts.golden) if opts.golden else GOLDEN_DIR / golden_name(opts.label, opts.dtype, opts.device, opts.source)
     check_golden_writable(path)       # before the generation, not after it
+    if opts.source == "hf" and opts.expert_dtype is not None:
+        raise ValueError(f"--expert-dtype {opts.expert_dtype}: HF transformers holds the whole model in one dtype; "
+                         f"make the golden with --dtype alone")
     b = battery_for(opts)
     with floor_guard(opts, context_len(b, opts.new_tokens)), ops.use(opts.kernels):
         # HF on a CPU loads a checkpoint directory itself; a second copy of a real model is not needed there
         hf_alone = opts.source == "hf" and opts.device == "cpu" and opts.model is not None
         if hf_alone:
             check_checkpoint(opts.model)   # held to our loader's checks all the same (HF's let more through)
+            check_no_outside_links(opts.model)
         g = make_golden(opts, None if hf_alone else load_subject(opts))
     out = write_golden(g, path)
     print(f"golden {out}: {len(g['prompts'])} prompts x {g['new_tokens']} tokens, md5 {g['md5']}, "
@@ -90,9 +106,7 @@ EXACT_COMMANDS = ("gate-a", "gate-b")
 def exact_precision(command: str, source: str) -> bool:
     return command in EXACT_COMMANDS or (command == "golden" and source == "self")
 
-# The record kind each gate appends; a gate that crashes (a kernel that fails to compile, CUDA out of memory)
-# still appends one, INVALID, so that a nightly run's records say what happened instead of going silent.
-RECORD_KINDS = {"gate-a": "gate_a", "gate-b": "gate_b", "gate-memory": "memory"}
+
 CRASH_MESSAGE_CHARS = 600
 
 

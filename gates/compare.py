@@ -27,7 +27,7 @@ NEAR_TIE_TOP = 5
 # - bf16: the logits leave lm_head as bf16, whose spacing is 2^-4 = 0.0625 for |logit| in [8, 16), where
 #   top logits of a trained model sit, so two top logits differ by a whole number of spacings. Two paths that
 #   round one true value differently land on neighbouring values: one side's tie (margin 0) is the other's
-#   margin of one spacing (seen on tiny in bf16, record 9c7967c0). Epsilon is two spacings, 2^-3: margins of
+#   margin of one spacing (seen on tiny in bf16; docs/RESULTS.md). Epsilon is two spacings, 2^-3: margins of
 #   0 and 1 spacing are near-ties, 2 and up are not. (At one spacing and strict `<`, only exact ties were.)
 # - fp16: 10 mantissa bits, spacing 2^-7 in the same range: two spacings, 2^-6.
 # - fp32: the paths' logits differ by <1e-5 on tiny (measured, tests/test_gates.py) and grow with depth and

@@ -29,7 +29,7 @@ from model.generate import generate_incremental, generate_recompute
 
 from .memory import FloorSampler, MemoryFloorError, MemReading, audit, check_floor, project_peak
 from .run import (EXIT_FAIL, EXIT_PASS, EXIT_REFUSED, Options, battery_for, context_len, cuda_reader, load_subject,
-                  record)
+                  record, to_stderr)
 
 
 def run_memory_gate(opts: Options, *, reader: Callable[[], MemReading | None] | None = None, records_root=None,
@@ -53,7 +53,8 @@ def run_memory_gate(opts: Options, *, reader: Callable[[], MemReading | None] | 
         path = record("memory", opts, weights, {"prompt_ids_source": b.source, "context": context},
                       {**results, "decision": decision, "passed": passed}, reasons=[reason], records_root=records_root)
         said = "" if decision[:4] == verdict.lower()[:4] else f" ({decision})"     # not "SKIP (skipped)"
-        log(f"Memory gate {verdict}{said}: {reason} [record {path}]")
+        say = to_stderr if code == EXIT_REFUSED and log is print else log
+        say(f"Memory gate {verdict}{said}: {reason} [record {path}]")
         return code
 
     before = reader() if reader is not None else None

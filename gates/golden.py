@@ -37,10 +37,12 @@ import numpy as np
 import torch
 
 from model.checkpoint import save_checkpoint
+from model.config import parse_json, read_file
 from model.generate import Generation, generate_recompute
 from model.weights import synthetic_weights, weights_id
 from records.store import provenance
 
+from .compare import NEAR_TIE_TOP
 from .prompts import PROMPTS
 from .run import DEFAULT_TOPK, DEVICES, DTYPES, MAX_NEW_TOKENS, SOURCES, Options, Subject, battery_for
 
@@ -106,25 +108,10 @@ def _is_number(v) -> bool:
 
 
 def _read_json(path: Path) -> object:
-    """The file's JSON value, or GoldenError naming the file: missing, not a regular file, over the size cap,
-    not UTF-8, not JSON, or nested past what the parser can take."""
-    try:
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode):
-            raise GoldenError(f"golden {path}: not a regular file")
-        if st.st_size > MAX_GOLDEN_BYTES:
-            raise GoldenError(f"golden {path}: {st.st_size:,} bytes, over the {MAX_GOLDEN_BYTES:,}-byte cap of a golden")
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except GoldenError:
-        raise
-    except OSError as e:
-        raise GoldenError(f"cannot read golden {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise GoldenError(f"golden {path}: not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise GoldenError(f"golden {path}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    except RecursionError:
-        raise GoldenError(f"golden {path}: JSON nested too deeply to be a golden") from None
+    """The file's JSON value, read and parsed as strictly as a checkpoint's config (`model.config.read_file` and
+    `parse_json`: a regular file under the size cap, UTF-8, no NaN, no repeated key, no runaway nesting or
+    integer), or GoldenError naming the file."""
+    return parse_json(path, read_file(path, MAX_GOLDEN_BYTES, GoldenError), GoldenError)
 
 
 def validate_golden(g: object, path: Path | str = "<golden>") -> dict:
@@ -185,9 +172,10 @@ def validate_golden(g: object, path: Path | str = "<golden>") -> dict:
             raise GoldenError(f"golden {path} prompt {i}: expected/topk lengths differ from new_tokens {n}")
         for step, (top, lp) in enumerate(zip(p["topk_ids"], p["topk_logprobs"])):
             at = f"{where} step {step}"
-            if not isinstance(top, list) or not 1 <= len(top) <= MAX_TOPK or not all(
+            if not isinstance(top, list) or not NEAR_TIE_TOP <= len(top) <= MAX_TOPK or not all(
                     _is_int(t) and 0 <= t < 2 ** 31 for t in top):
-                raise bad(f"{at} topk_ids", f"a list of 1..{MAX_TOPK} token ids", top)
+                raise bad(f"{at} topk_ids", f"a list of {NEAR_TIE_TOP}..{MAX_TOPK} token ids (a diagnosis reads the "
+                          f"top-{NEAR_TIE_TOP})", top)
             if not isinstance(lp, list) or len(lp) != len(top) or not all(_is_number(x) for x in lp):
                 raise bad(f"{at} topk_logprobs", f"{len(top)} finite numbers (one per topk id)", lp)
             if any(a < b for a, b in zip(lp, lp[1:])):
@@ -315,9 +303,15 @@ def check_golden_writable(path: str | Path) -> Path:
     """Refuse, before any generation, a golden path that exists (a committed golden is replaced on purpose, by
     hand) or whose folder cannot be made or written."""
     path = Path(path)
-    if path.exists() or path.is_symlink():
-        raise GoldenError(f"{path} exists; delete it first to replace it, or pass --golden NEWPATH")
-    folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
+    try:
+        if path.exists() or path.is_symlink():
+            raise GoldenError(f"{path} exists; delete it first to replace it, or pass --golden NEWPATH")
+        if len(path.name.encode()) > 255:
+            raise GoldenError(f"--golden {path.name[:40]}...: a file name of {len(path.name.encode())} bytes, "
+                              f"past the 255 a file system takes")
+        folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
+    except OSError as e:
+        raise GoldenError(f"--golden {str(path)[:200]}: {e.strerror or e}") from None
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise GoldenError(f"--golden {path}: cannot write in {folder}")
     return path

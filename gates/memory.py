@@ -21,6 +21,7 @@ import torch
 
 from model.checkpoint import layout
 from model.config import KimiConfig
+from model.params import param_counts
 
 GiB = 1 << 30
 DEFAULT_FLOOR_BYTES = 15 * GiB  # the seed's floor
@@ -82,39 +83,6 @@ def read_device_memory(device_index: int = 0) -> MemReading | None:
 
 
 # ---- projection --------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ParamCounts:
-    total: int  # every parameter of the checkpoint
-    active_per_token: int  # parameters one decoded token reads (SPEC §1: 3,106,972,544 for 48b-a3b)
-    fp32: int  # parameters kept in fp32 whatever the model dtype (A_log, dt_bias, e_score_correction_bias)
-    routed_experts: int  # the routed experts' stacks (model.checkpoint.ROUTED_EXPERTS), which may be held apart
-    router: int  # the routers' weights: held in fp32 under a narrower model (model.checkpoint.FP32_HELD)
-
-
-def param_counts(cfg: KimiConfig) -> ParamCounts:
-    """Parameter counts from the config shapes (SPEC §1 tensor list)."""
-    D, hd, d, H = cfg.hidden_size, cfg.kda_dim, cfg.kda_head_dim, cfg.kda_num_heads
-    A, E, I = cfg.num_attention_heads, cfg.num_experts, cfg.moe_intermediate_size
-    kda_fp32 = H + hd  # A_log, dt_bias
-    kda = (3 * hd * D + 3 * hd * cfg.conv_kernel_size  # q/k/v projections and their convs
-           + 2 * (d * D + hd * d)  # f_a/f_b (decay) and g_a/g_b (output gate) low-rank pairs
-           + H * D + d + D * hd + kda_fp32)  # b_proj, o_norm, o_proj
-    mla = (A * cfg.qk_head_dim * D + (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * D + cfg.kv_lora_rank
-           + A * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank + D * A * cfg.v_head_dim)
-    expert = 3 * I * D
-    dense = 3 * cfg.intermediate_size * D
-    moe = E * D + E + E * expert + cfg.num_shared_experts * expert  # router, its bias, experts, shared expert
-    n_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
-    total = (2 * cfg.vocab_size * D + D  # embed_tokens, lm_head, final norm
-             + cfg.num_hidden_layers * 2 * D  # input and post-attention norms
-             + len(cfg.kda_layer_ids) * kda + len(cfg.mla_layer_ids) * mla
-             + (cfg.num_hidden_layers - n_moe) * dense + n_moe * moe)
-    # A token reads one embedding row (negligible, not counted, as SPEC does) and only its top-k experts.
-    active = total - cfg.vocab_size * D - n_moe * (E - cfg.num_experts_per_token) * expert
-    fp32 = len(cfg.kda_layer_ids) * kda_fp32 + n_moe * E
-    return ParamCounts(total, active, fp32, n_moe * E * expert, n_moe * E * D)
-
 
 def _itemsize(dtype) -> int:
     if isinstance(dtype, str):
@@ -188,8 +156,7 @@ def project_peak(cfg: KimiConfig, dtype, batch: int, context: int, prefill_chunk
         "logits": n * cfg.vocab_size * (s + f32),  # lm_head output and its fp32 copy
         # the load, before any forward: one tensor at a time beside the allocated weights, at most 4 bytes a value
         # of the largest (a synthetic weight's fp32 scratch, unless it is fp32 itself; a checkpoint tensor in its
-        # stored dtype and its finiteness mask). The gates' short runs peak here: torch's peak was 93.65 GiB over
-        # 91.56 of weights in bf16 (`ae03ba1e`), when the load also kept a rounded copy of lm_head
+        # stored dtype and its finiteness mask). The gates' short runs peak here (docs/RESULTS.md, memory gate)
         "load": max(math.prod(slot.shape) for slot in layout(cfg)[0].values()) * f32,
     }
     context_allowance = CUDA_CONTEXT_BYTES if str(device).startswith("cuda") else 0

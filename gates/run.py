@@ -6,10 +6,10 @@ Defaults (the CLI reads no environment variables; the Makefile maps its variable
   with the routed experts held in `bf16` (their checkpoint dtype: the same weights, 102 GB of weights for the 48B
   model instead of 196 by param_counts, so it fits one H200). Gate A asks whether the carried state gives the
   recompute path's tokens; in bf16 a 27-layer model of random weights puts near-ties inside the rounding noise of
-  two correct paths (measured: Gate A 68/128 in bf16 on the H200, every divergence within the noise floor of the
-  PyTorch-kernel control, record 380ad907), so bf16 cannot tell a bug from rounding there. In fp32 it can, and
+  two correct paths (measured on the H200: every divergence of a bf16 Gate A within the noise floor of the
+  PyTorch-kernel control; docs/RESULTS.md), so bf16 cannot tell a bug from rounding there. In fp32 it can, and
   that is the question the gate exists to answer. Gate B follows for the same reason: in bf16 our kernels and
-  HF's part at the noise floor (17/128 against the HF bf16 golden, record 7b5cee1d), so on CUDA its default is
+  HF's part at the noise floor (against the HF bf16 golden; docs/RESULTS.md), so on CUDA its default is
   the fp32 golden our recompute path made (`gates/goldens/48b-a3b-fp32-cuda-self.json`), a regression check
   across commits; HF cannot make that golden on one GPU. `--dtype bf16` still runs either gate in bf16 (Gate B
   then against the HF bf16 golden; the diagnosis says near-tie or real);
@@ -24,6 +24,7 @@ of the same weights.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,6 +55,9 @@ MAX_SEED = 2 ** 63 - 1
 
 # Exit codes of every gate command.
 EXIT_PASS, EXIT_FAIL, EXIT_REFUSED = 0, 1, 2
+# The record kind each gate appends; a gate that crashes (a kernel that fails to compile, CUDA out of memory)
+# still appends one, INVALID, so that a nightly run's records say what happened instead of going silent.
+RECORD_KINDS = {"gate-a": "gate_a", "gate-b": "gate_b", "gate-memory": "memory"}
 
 
 class GateRefused(RuntimeError):
@@ -134,6 +138,8 @@ def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT
     and refuse impossible combinations."""
     if preset is not None and model is not None:
         raise ValueError("give --preset or --model, not both")
+    if model is not None and (not isinstance(model, str) or not model.strip()):
+        raise ValueError(f"--model must name a checkpoint directory, got {model!r}")
     if model is not None and not Path(model).is_dir():
         raise ValueError(f"--model {model}: no such checkpoint directory")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -157,6 +163,8 @@ def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT
         raise ValueError(f"--source {source!r}: expected one of {SOURCES}")
     if kernels not in KERNELS:
         raise ValueError(f"--kernels {kernels!r}: expected one of {KERNELS}")
+    if kernels == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--kernels triton on a CPU runs Triton's interpreter: set TRITON_INTERPRET=1 (or --kernels torch)")
     if model is None and preset is None:
         preset = _default_preset(device, DTYPES[dtype], expert_dtype and DTYPES[expert_dtype], new_tokens,
                                  floor_gib, reader, log)
@@ -263,10 +271,15 @@ def record(kind: str, opts: Options, weights: str | None, params: dict, results:
     return store.append(rec, root=records_root)
 
 
+def to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 def refused(kind: str, opts: Options, why: str, weights=None, records_root=None, log=print) -> int:
-    """Record a gate that could not judge (INVALID: it measured nothing) and say so."""
+    """Record a gate that could not judge (INVALID: it measured nothing) and say so, in one line; printed, that
+    line goes to stderr, as every exit-2 reason does."""
     path = record(kind, opts, weights, {}, {"passed": False, "refused": why}, reasons=[f"refused: {why}"],
                   valid=False, records_root=records_root)
-    log(f"{kind.replace('_', ' ').title()} REFUSED: {why} [record {path}]")
+    (to_stderr if log is print else log)(f"{kind.replace('_', ' ').title()} REFUSED: {why} [record {path}]")
     return EXIT_REFUSED
 

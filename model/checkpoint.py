@@ -148,7 +148,7 @@ FP32_HELD = ("mlp.gate.weight",)
 
 # The routed experts' stacks: 96% of the 48B model's weights. `expert_dtype` may hold them apart from the model
 # dtype, e.g. in bf16 (their checkpoint dtype, so no value changes) under an fp32 model: the full-size model then
-# computes in fp32 on one 141 GB GPU (102 GB of weights instead of 196, by gates.memory.param_counts), which is
+# computes in fp32 on one 141 GB GPU (102 GB of weights instead of 196, by model.params.param_counts), which is
 # how Gate A runs it on CUDA.
 ROUTED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 EXPERT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)  # the dtypes that hold bf16 checkpoint values exactly

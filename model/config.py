@@ -399,6 +399,10 @@ class KimiConfig:
         for k in ("kda_layers", "full_attn_layers"):
             if not isinstance(lac.get(k), list):
                 raise ConfigError(f"linear_attn_config.{k} must be a list of 1-based layer numbers")
+        # fields the model does not read must hold what it implements, or the gates would judge another model
+        for k, implemented in (("hidden_act", "silu"), ("mla_use_nope", True)):
+            if k in d and (d[k] != implemented or type(d[k]) is not type(implemented)):
+                raise ConfigError(f"config.{k} is {_show(d[k])}; this model implements only {_show(implemented)}")
         if d.get("moe_router_activation_func", "sigmoid") != "sigmoid":
             raise ConfigError(f"moe_router_activation_func {_quote(d['moe_router_activation_func'])} is not supported "
                               f"(sigmoid only)")

@@ -156,8 +156,9 @@ class MultiLatentAttention(nn.Module):
     def pack_(self) -> None:
         """Copy the weights of q_proj and kv_a_proj_with_mqa into one [H*192 + R+P, D] tensor (`in_proj_weight`)
         and re-point both nn.Linears' weights to their views of it: one GEMV at batch-1 decode where two
-        latency-bound ones ran (the narrow kv_a projection alone took 6.2 us a layer in decomposition eef02458). The same contract as
-        `KimiDeltaAttention.pack_`: names, shapes and values unchanged; call again after assigning weights."""
+        latency-bound ones ran (the narrow kv_a projection alone took microseconds a layer; docs/RESULTS.md, "Notes
+        behind the code"). The same contract as `KimiDeltaAttention.pack_`: names, shapes and values unchanged; call
+        again after assigning weights."""
         pack_linears(self, "in_proj_weight", (self.q_proj, self.kv_a_proj_with_mqa), "MLA")
 
     def _project(self, x):
@@ -243,7 +244,7 @@ class Router(nn.Module):
 
         Why: prefill-sized bf16 batches then take their fp32 logits from a bf16 tensor-core GEMM with fp32
         accumulation, which forms every product exactly, as the fp32 GEMM does (an FFMA kernel, with the tokens
-        widened first: 5.4 ms and 1.5 ms of casts in the 8k prefill of ddeba4c, decomposition bd2428e8); the sums
+        widened first: milliseconds of casts in the 8k prefill, docs/RESULTS.md, "Notes behind the code"); the sums
         differ only in order. A weight that bf16 would round (e.g. random fp32 weights in tests) keeps the fp32
         GEMM. Decode reads the fp32 weight. Costs 1.2 MB a layer at 48B-A3B; call again after assigning weights."""
         w = self.weight.to(torch.bfloat16)

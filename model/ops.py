@@ -297,8 +297,8 @@ def sort_by_expert(idx, E: int):
     by expert, stably; offs [E] (int32) is the end of each expert's rows in that order.
 
     No host sync: the offsets are a device-side binary search in the sorted ids. (torch.bincount syncs twice for
-    its min and max, which starved the GPU at every MoE layer: about 0.4 ms a layer of idle in the 8k prefill
-    trace of ddeba4c, decomposition bd2428e8.) The ids sort as int16 where they fit: a radix sort over 16 bits
+    its min and max, which starved the GPU at every MoE layer; docs/RESULTS.md, "Notes behind the code".) The ids
+    sort as int16 where they fit: a radix sort over 16 bits
     makes two passes, over int64 eight."""
     keys = idx.reshape(-1).to(torch.int16 if E <= torch.iinfo(torch.int16).max else torch.int32)
     ids, order = torch.sort(keys, stable=True)

@@ -93,8 +93,8 @@ def _init(cfg: KimiConfig, name: str, shape: tuple[int, ...]) -> tuple[str, floa
 def _fp32_op(fn, t: torch.Tensor) -> torch.Tensor:
     """fn(t) for fp32 t, the same bits on every CPU. ATen's fp32 log/exp/expm1 on a CPU call MKL's vector math,
     whose code path, and with it the last bit, follows the CPU's vendor and instruction set: the same tiny
-    weights fingerprinted sha256:35c32957752f141b on an AMD EPYC and under MKL_CBWR=AVX on an Intel Xeon, but
-    sha256:dac1778045f9abee under that Xeon's own AVX-512 path. In fp64 and rounded once to fp32 the result is
+    weights fingerprinted alike on an AMD EPYC and under MKL_CBWR=AVX on an Intel Xeon, but otherwise under that
+    Xeon's own AVX-512 path (docs/RESULTS.md, "Notes behind the code"). In fp64 and rounded once to fp32 the result is
     the correctly rounded one on any CPU (it could differ only where an fp64 result within an ulp of it sits on
     an fp32 rounding boundary). CUDA keeps its own fp32 ops: the 48B goldens were made from weights drawn that
     way."""
@@ -140,9 +140,8 @@ def _fill(dst: torch.Tensor, kind: str, std: float, g: torch.Generator, fmt: tor
     time. Where a value is drawn does not change it, so the bits are those of the whole-tensor scratch and rounded
     copy used before. What changed is memory. For lm_head at 48B (1.41 GiB in fp32), the scratch and its 0.70 GiB
     rounded copy were alive at once, with every other weight already allocated. That put the load's peak over
-    the memory projection, which counts only what the model holds: torch's peak was 93.65 GiB against 91.56 GiB
-    of weights in bf16 (`ae03ba1e`; the gap is derived). In fp32 with bf16 experts the weights id added more (see
-    `_AsStored`)."""
+    the memory projection, which counts only what the model holds (docs/RESULTS.md, memory gate). In fp32 with bf16
+    experts the weights id added more (see `_AsStored`)."""
     in_place = dst.dtype == torch.float32
     x = dst if in_place else torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
     if kind == "normal":
@@ -249,9 +248,9 @@ class _AsStored(Mapping):
     """The tensors of `state` named in `dtypes`, each cast to its checkpoint dtype when it is read, and refused when
     the cast is not exact. `fingerprint` reads one tensor at a time, so one cast is alive at a time, and the
     check widens it back slice by slice. Casting them all first held a bf16 copy of every fp32 tensor: for the 48B
-    model in fp32 with bf16 experts, 3.7 GiB (derived from `gates.memory.param_counts`) of GPU memory inside the
-    memory gate's measured load, about the gap in its audit of Gate A's precision (100.79 GiB allocated against
-    96.95 projected, `7dd9c5a7`; a reading, not measured apart)."""
+    model in fp32 with bf16 experts, 3.7 GiB (derived from `model.params.param_counts`) of GPU memory inside the
+    memory gate's measured load, about the gap in its audit of Gate A's precision (docs/RESULTS.md, memory gate; a
+    reading, not measured apart)."""
 
     def __init__(self, state: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]):
         self.state, self.dtypes = state, dtypes

@@ -60,9 +60,12 @@ def import_run(src: str | Path, commit: str, note: str, root: str | Path | None 
     _check_commit(commit)
     if not note.strip():
         raise ValueError("--note must say which run the records come from")
-    src = Path(src)
+    src = Path(src).absolute()
     if not src.is_dir():
         raise ValueError(f"{src} is not a records directory")
+    for folder in (src, src.parent):    # the run folder and the tree whose traces come along
+        if folder.is_symlink():
+            raise ImportRefused(f"{folder} is a symbolic link; the import reads only a run folder given as it is")
     for path in sorted(src.glob("*.jsonl")):
         mode = os.lstat(path).st_mode
         if not stat.S_ISREG(mode):
@@ -135,10 +138,14 @@ def _regular_inside(tree: Path, rel: PurePosixPath) -> int | None:
         for i, part in enumerate(rel.parts):
             here = tree.joinpath(*rel.parts[:i + 1])
             try:
-                mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
+                st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                mode = st.st_mode
             except FileNotFoundError:
                 return None
             last = i == len(rel.parts) - 1
+            if last and stat.S_ISREG(mode) and st.st_nlink > 1:
+                raise ImportRefused(f"{here} has {st.st_nlink} hard links; the import copies only files that are "
+                                    f"the run folder's own (a hard link can be a file elsewhere on this box)")
             if stat.S_ISLNK(mode) or (last and not stat.S_ISREG(mode)) or (not last and not stat.S_ISDIR(mode)):
                 raise ImportRefused(f"{here} is {_what(mode)}; the import copies only regular files inside the run "
                                     f"folder, never through a link (it could name a file elsewhere on this box)")
@@ -167,6 +174,11 @@ def _copy(src_tree: Path, rel: PurePosixPath, dest_tree: Path) -> None:
         return
     with open(fd, "rb") as fin:
         dest.parent.mkdir(parents=True, exist_ok=True)
+        for part in (dest.parent, *dest.parent.parents):
+            if part == dest_tree:
+                break
+            if part.is_symlink():
+                raise ImportRefused(f"{part} is a symbolic link; traces are never written through one")
         out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
             with open(out, "wb") as fout:

@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from records import store
+from records.exits import run_main
 
 from . import regress
 
@@ -75,7 +76,7 @@ def plan(preset: str | None, gpu: bool, out: Path) -> list[Step]:
              Step("bench", py + ["benchmarks.bench_e2e"] + flags + quick),
              Step("decompose", py + ["benchmarks.decompose", "--trace-dir", str(out / "traces")] + flags + quick)]
     if gpu:
-        steps.append(Step("bench-kernels", py + ["benchmarks.bench_kernels"]))
+        steps.append(Step("bench-kernels", py + ["benchmarks.kernels"]))
     return steps
 
 
@@ -142,7 +143,7 @@ def mark_skips(steps: list[Step], new: list[dict]) -> None:
     """A step whose run wrote a record with results.decision == "skipped" (the memory gate without a GPU) is
     skipped, not ok: it exits 0 and judged nothing. Records name no step, so each gate step is matched to its
     records' kind."""
-    from gates.__main__ import RECORD_KINDS as kinds   # the record kind each gate command appends
+    from gates.run import RECORD_KINDS as kinds   # the record kind each gate command appends
     for s in steps:
         s.skipped = s.returncode == 0 and any(r.get("kind") == kinds.get(s.name) and
                                               (r.get("results") or {}).get("decision") == "skipped" for r in new)
@@ -243,4 +244,4 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

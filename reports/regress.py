@@ -31,6 +31,7 @@ whose latencies `check` cannot use (not finite positive numbers) is not judged, 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,8 +166,8 @@ def host_ratio(new: dict, earlier: list[dict]) -> float | None:
 
 
 def clock_note(new: dict, earlier: list[dict]) -> str:
-    """The GPU's mean SM clock and power-cap share over the new run's timed calls (`results.clocks`, sampled since
-    ed8089d) against the history runs that carry them: a note, not a verdict. A long prefill on the H200 runs at
+    """The GPU's mean SM clock and power-cap share over the new run's timed calls (`results.clocks`; older records
+    lack it) against the history runs that carry them: a note, not a verdict. A long prefill on the H200 runs at
     its 700 W cap with the clock lowered, so a slower run at a lower clock may be the board, not the code."""
     def clocks(r):
         c = (r.get("results") or {}).get("clocks")
@@ -183,7 +184,7 @@ def clock_note(new: dict, earlier: list[dict]) -> str:
 
 def pacing_note(r: dict, prefix: str = "") -> str:
     """How many of a record's timed calls the host paced, "; host-paced n/total" (`results.host_paced` over
-    `results.host_ms`, prefill records since 166f6c1, `benchmarks.timing.Samples.host_paced`), or "" where the record
+    `results.host_ms` of prefill records, `benchmarks.timing.Samples.host_paced`), or "" where the record
     has none (decode steps, CPU runs, older records); `prefix` "peer_" reads the peer's. The one wording of it: this
     module's message and the report's speed table use it. A note, not a verdict: it says the host set the pace of
     those calls, not whether the host's CPU or our own host-side code got slower; the host probe tells those apart."""
@@ -205,8 +206,14 @@ def check_latest(records: list[dict], k: int = HISTORY_RUNS) -> list[Regression]
     return [check(r, records, k) for _, r in sorted(latest.items(), key=lambda kv: str(kv[0]))]
 
 
+def one_line(text: str) -> str:
+    """`text` with control characters (newlines, terminal escapes) shown as \\xNN: a record's strings cannot add
+    lines to the verdict or drive the terminal."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def main(argv: list[str] | None = None) -> int:
-    from records.store import load
+    from records.store import load, records_dir
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", default=None, help="records directory (default: the store's)")
@@ -216,14 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.history < MIN_HISTORY_RUNS:
         # fewer could never judge; 0 or less would take the whole history through Python's slicing
         parser.error(f"--history must be at least {MIN_HISTORY_RUNS}, got {args.history}")
-    if args.records is not None and not Path(args.records).is_dir():
-        parser.error(f"--records {args.records}: no such directory")
+    folder = records_dir(args.records)
+    if not folder.is_dir():     # a mistyped KIMI_RECORDS_DIR would otherwise judge nothing and pass
+        parser.error(f"records folder {folder}: no such directory (--records or KIMI_RECORDS_DIR)")
     loaded = load(kinds=["bench"], root=args.records)
     for p in loaded.problems:
         print(f"warning: skipped an unreadable line: {p}", file=sys.stderr)
     results = check_latest(loaded.records, args.history)
     for r in results:
-        print(f"{r.verdict:>20}  {describe(r.key)}  {r.record_id[:8]}: {r.message}")
+        print(one_line(f"{r.verdict:>20}  {describe(r.key)}  {r.record_id[:8]}: {r.message}"))
     flagged = sum(r.verdict == "regression" for r in results)
     print(f"{len(results)} configuration(s) judged: {flagged} regression(s), "
           f"{sum(r.verdict == 'insufficient-history' for r in results)} with too little history")

@@ -33,6 +33,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks.categories import CATEGORY_NAMES  # noqa: E402
+from records import store  # noqa: E402
 from records.store import get  # noqa: E402
 from reports import regress, targets  # noqa: E402
 
@@ -41,8 +42,8 @@ OURS_COLOR = "tab:green"  # ours is drawn in one colour in every speed plot
 GiB = 1 << 30
 
 # The seed's published decode decomposition (nsys on GB10). It is a document, not a record: cited as such.
-SEED_CITATION = ("seed document /work/shared/seed/000_49c5fcef6bd17615.txt (PR #113, 'Kimi-Linear: paged-incremental "
-                 "decode', GB10 nsys decode decomposition)")
+SEED_CITATION = ("the seed pull request (PR #113, 'Kimi-Linear: paged-incremental decode', kept as "
+                 "shared/seed/000_49c5fcef6bd17615.txt; GB10 nsys decode decomposition)")
 SEED_LABEL = "seed (GB10, published)"
 # Its "MoE glue" is router/top-k work, our moe_routing; "other" is what its four named shares leave.
 SEED_SHARES = {"gemm": 0.90, "kda": 0.023, "moe_routing": 0.023, "cast": 0.03}
@@ -92,13 +93,17 @@ _MD_SPECIAL = re.compile(r"([\\`*_\[\]|~$])")  # inline markdown: code, emphasis
 
 
 def md_text(x, block: bool = False) -> str:
-    """Text for SUMMARY.md: on one line, `&`, `<`, `>` as entities (no raw HTML such as `<script>`, no autolink, no
-    entity a record spells out) and markdown's inline syntax backslash-escaped (no emphasis, code span, link,
+    """Text for SUMMARY.md: on one line, `&`, `<`, `>` as entities (no raw HTML such as `<script>`, no autolink, bracketed or
+    GFM's bare `www.`, `scheme://` and `user@host` forms, no entity a record spells out) and markdown's inline syntax backslash-escaped (no emphasis, code span, link,
     image, table cell or math can open). A `block` (a paragraph of its own) also has a heading, list or rule
     marker at its start escaped."""
     text = str(x).replace("\r", " ").replace("\n", " ")
     text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     text = _MD_SPECIAL.sub(r"\\\1", text)
+    # GFM's extended autolinks (www., scheme://, user@host) need no brackets: break each with an escaped character
+    text = re.sub(r"(?i)\b(www)\.", r"\1\\.", text)
+    text = re.sub(r"(?i)([a-z][a-z0-9+.-]*):(?=//)", r"\1\\:", text)
+    text = text.replace("@", "\\@")
     if block:
         text = re.sub(r"^(\s*)([#+=-])", r"\1\\\2", text)
         text = re.sub(r"^(\s*\d+)([.)])(?=\s|$)", r"\1\\\2", text)
@@ -122,7 +127,7 @@ def short_id(r: dict) -> str:
 
 
 def commit(r: dict) -> str:
-    """The commit a record ran at; where git was unusable on the machine, the tree the session sent there
+    """The commit a record ran at; where git was unusable on the machine, the commit whose tree was sent there
     (`git.tree_commit`, marked `tree:`)."""
     sha, dirty = get(r, "git.commit"), get(r, "git.dirty")
     if sha is None and get(r, "git.tree_commit"):
@@ -139,7 +144,7 @@ def when(r: dict) -> datetime:
 
 
 def cite(records: list[dict]) -> str:
-    """'records id1, id2 (machine, commit abc1234); ...' grouped by machine and commit."""
+    """'records ID1, ID2 (machine, commit SHA); ...' grouped by machine and commit."""
     if not records:
         return "no records"
     groups: dict[tuple, list[str]] = defaultdict(list)
@@ -632,7 +637,7 @@ AB_CONDITIONS = ("module", "changes", "rounds", "preset", "model_dtype", "weight
 
 
 def kernel_label(r: dict) -> str:
-    """`op` (bench_kernels' name; `kernel` alone in older records, the part of it in MoE records) and the shape
+    """`op` (the kernel benchmarks' name; `kernel` alone in older records, the part of it in MoE records) and the shape
     parameters. Left to the record itself: the prose `*_scope` parameters, a dtype repeated from the record, and
     the launch `cfg`, so that a kernel shape keeps one row when its default tiles change (the latest is shown)."""
     params = r["params"] or {}
@@ -670,7 +675,7 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
     sweeps = [r for r in kernels if get(r, "params.sweep")]
     kernels = [r for r in kernels if not get(r, "params.sweep")]
     if sweeps:
-        s.blocks.append(f"{len(sweeps)} launch-config sweep record(s) are not drawn (see `bench_kernels --moe-sweep`, "
+        s.blocks.append(f"{len(sweeps)} launch-config sweep record(s) are not drawn (see `python -m benchmarks.kernels --moe-sweep`, "
                         f"`--decode-sweep`, `--chunk-sweep` and `--conv-sweep`; the defaults cite them).")
     if not kernels:
         s.blocks.append(NO_RECORDS)
@@ -707,7 +712,7 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
 
 
 def paired_cell(r: dict, how: str) -> str:
-    """Both sides by a second measure, `how` = "graph" (timed in CUDA graphs: `bench_kernels`' ours_graph_ms /
+    """Both sides by a second measure, `how` = "graph" (timed in CUDA graphs: `benchmarks.kernels`' ours_graph_ms /
     peer_graph_ms) or "kernel" (the kernels' device time by the profiler: ours_kernel_ms / peer_kernel_ms): for
     ~10 us kernels the do_bench columns beside them count a launch per call, and swing from run to run."""
     ours, peer = get(r, f"results.ours_{how}_ms"), get(r, f"results.peer_{how}_ms")
@@ -859,7 +864,7 @@ def to_html(sections: list[Section], header: str) -> str:
 def render(records_root=None, out: str | Path = "reports") -> list[Section]:
     """Write the report of the records under `records_root` into `out`; the sections drawn. Lines the store could
     not use and sections that could not be drawn are listed in the report and said on stderr, one a line."""
-    from records.store import load, records_dir
+    from records.store import REPO_ROOT, load, records_dir
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -873,7 +878,9 @@ def render(records_root=None, out: str | Path = "reports") -> list[Section]:
     for r in loaded.records:
         kinds[r["kind"]] += 1
     failed = [s for s in sections if s.failed]
-    header = (f"Rendered from {len(loaded.records)} records in {records_dir(records_root)} ("
+    where = records_dir(records_root).resolve()
+    where = where.relative_to(REPO_ROOT) if where.is_relative_to(REPO_ROOT) else where  # no machine's path if in-tree
+    header = (f"Rendered from {len(loaded.records)} records in {where} ("
               + (", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) or "none")
               + f"); {len(loaded.problems)} unreadable line(s)"
               + (f"; {len(failed)} section(s) could not be drawn" if failed else "") + ".")
@@ -898,8 +905,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", default=None, help="records directory (default: the store's)")
     parser.add_argument("--out", default="reports", help="output directory (default: reports/)")
     args = parser.parse_args(argv)
-    if args.records is not None and not Path(args.records).is_dir():
-        parser.error(f"--records {args.records}: no such folder; expected a folder of <kind>.jsonl files")
+    folder = store.records_dir(args.records)
+    if not folder.is_dir():     # a mistyped KIMI_RECORDS_DIR would otherwise render an empty report
+        parser.error(f"records folder {folder}: no such folder (--records or KIMI_RECORDS_DIR); "
+                     f"expected a folder of <kind>.jsonl files")
     try:
         render(args.records, args.out)
     except OSError as e:

@@ -66,9 +66,12 @@ BAD_GOLDENS = [
     (("md5",), 7, "md5 must be 32 lowercase hex digits"),
     (("prompts",), [], "prompts must be a list of 1..1024 prompts"),
     (("prompts",), {"0": {}}, "prompts must be a list"),
-    (("prompts", 3, "topk_logprobs", 0, 1), float("nan"), r"prompts\[3\] step 0 topk_logprobs must be 10 finite"),
+    (("prompts", 3, "topk_logprobs", 0, 1), float("nan"), r"NaN is not a JSON number"),
+    (("prompts", 3, "topk_logprobs", 0, 2), 1e400, r"Infinity is not a JSON number"),
+    (("prompts", 3, "topk_logprobs", 0, 3), "x", r"prompts\[3\] step 0 topk_logprobs must be 10 finite"),
     (("prompts", 3, "topk_logprobs", 0, 1), 0.5, r"prompts\[3\] step 0 topk_logprobs must be in descending order"),
-    (("prompts", 4, "topk_ids", 5), [], r"prompts\[4\] step 5 topk_ids must be a list of 1..1024 token ids"),
+    (("prompts", 4, "topk_ids", 5), [], r"prompts\[4\] step 5 topk_ids must be a list of 5..1024 token ids"),
+    (("prompts", 4, "topk_ids", 6), [1], r"prompts\[4\] step 6 topk_ids must be a list of 5..1024 token ids"),
     (("prompts", 5, "topk_ids"), "x", r"prompts\[5\]\.topk_ids must be a list"),
     (("weights",), {"id": 1}, "weights must be a weights id string"),
 ]
@@ -84,9 +87,12 @@ def test_a_malformed_golden_is_refused_naming_its_field(tmp_path, path, value, m
 
 @pytest.mark.parametrize("content,match", [
     (b"\xff\xfe{}", "not UTF-8"),
-    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-    (b'{"format": 1', "not JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "too deeply"),
+    (b'{"format": 1', "not valid JSON"),
     (b"[1, 2]", "the top level must be a JSON object"),
+    (b'{"md5": "x", "md5": "y"}', "appears twice"),
+    (b'{"a": NaN}', "not a JSON number"),
+    (b'{"a": ' + b"9" * 5000 + b"}", "digits"),
 ])
 def test_a_golden_file_that_is_not_a_golden_is_refused(tmp_path, content, match):
     f = tmp_path / "g.json"
@@ -99,7 +105,7 @@ def test_an_oversized_golden_is_refused_unread(tmp_path):
     f = tmp_path / "g.json"
     with open(f, "wb") as out:
         out.truncate(golden_mod.MAX_GOLDEN_BYTES + 1)      # sparse: no 64 MiB written
-    with pytest.raises(GoldenError, match="over the .*-byte cap"):
+    with pytest.raises(GoldenError, match="past the .*-byte limit"):
         load_golden(f)
 
 
@@ -188,7 +194,7 @@ def test_property_any_json_value_as_a_golden_keeps_the_contract(value):
 def test_property_any_bytes_as_a_golden_file_give_a_golden_error(tmp_path, data):
     f = tmp_path / "g.json"
     f.write_bytes(data)
-    with pytest.raises(GoldenError, match="golden"):
+    with pytest.raises(GoldenError, match=r"g\.json"):
         load_golden(f)
 
 
@@ -242,8 +248,8 @@ def test_a_gate_b_golden_of_the_wrong_types_exits_2_before_loading(tmp_path, mon
     f = write(tmp_path / "g.json", mutated(("prompts", 0, "topk_ids", 0, 0), "7"))
     no_model(monkeypatch)
     code, out, err = run_cli(["gate-b", "--device", "cpu", "--golden", str(f)], monkeypatch, capsys, tmp_path)
-    assert code == EXIT_REFUSED and "REFUSED" in out and "topk_ids must be a list of 1..1024 token ids" in out
-    assert "PASS" not in out and "FAIL" not in out
+    assert code == EXIT_REFUSED and "REFUSED" in err and "topk_ids must be a list of 5..1024 token ids" in err
+    assert len(err.strip().splitlines()) == 1 and "PASS" not in out + err and "FAIL" not in out + err
 
 
 def unwritable_records(tmp_path) -> Path:
@@ -304,3 +310,35 @@ def test_the_golden_command_refuses_an_existing_or_unwritable_path_before_genera
     code, _, err = run_cli(["golden", "--device", "cpu", "--source", "self", "--golden",
                             str(unwritable_records(tmp_path) / "g.json")], monkeypatch, capsys, tmp_path)
     assert code == EXIT_REFUSED and "cannot write in" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["gate-a", "--model", ""], "--model must name a checkpoint directory"),
+    (["gate-a", "--kernels", "triton"], "set TRITON_INTERPRET=1"),
+    (["golden", "--source", "hf", "--dtype", "fp32", "--expert-dtype", "bf16", "--golden", "NEW"],
+     "HF transformers holds the whole model in one dtype"),
+    (["golden", "--source", "self", "--golden", "x" * 300 + ".json"], "File name too long"),
+])
+def test_bad_option_combinations_are_refused_before_loading(tmp_path, monkeypatch, capsys, argv, match):
+    no_model(monkeypatch)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    argv = [str(tmp_path / "new.json") if a == "NEW" else a for a in argv]
+    code, out, err = run_cli([*argv, "--device", "cpu"], monkeypatch, capsys, tmp_path)
+    assert code == EXIT_REFUSED and match in err and "Traceback" not in err, (out, err)
+
+
+def test_an_hf_golden_refuses_a_checkpoint_link_out_of_the_folder(tmp_path, monkeypatch, capsys):
+    """HF reads files our loader never opens (generation_config.json): a link out of the folder there could change
+    what HF generates, so the golden command refuses it before HF loads anything."""
+    import torch
+    from model.checkpoint import save_checkpoint
+    from model.config import get_config
+    from model.weights import synthetic_weights
+    cfg = get_config("tiny")
+    ckpt = save_checkpoint(synthetic_weights(cfg, 0, "cpu", torch.bfloat16), cfg, tmp_path / "ckpt")
+    (tmp_path / "outside.json").write_text('{"suppress_tokens": [1]}')
+    (Path(ckpt) / "generation_config.json").symlink_to(tmp_path / "outside.json")
+    monkeypatch.setattr(cli, "make_golden", lambda *a, **k: pytest.fail("HF ran on a folder with an outside link"))
+    code, out, err = run_cli(["golden", "--device", "cpu", "--model", str(ckpt), "--golden", str(tmp_path / "g.json")],
+                             monkeypatch, capsys, tmp_path)
+    assert code == EXIT_REFUSED and "generation_config.json: a link out of the checkpoint folder" in err

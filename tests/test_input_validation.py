@@ -643,3 +643,13 @@ def test_shard_names_that_leave_the_directory_are_refused(tiny_ckpt, tmp_path, s
     (folder / INDEX_FILE).write_text(json.dumps(index))
     refused(CheckpointError, rf"{re.escape(str(folder / INDEX_FILE))} names shards outside the checkpoint directory",
             INDEX_FILE, check_checkpoint, folder)
+
+
+@pytest.mark.parametrize("field,value", [("hidden_act", "relu"), ("mla_use_nope", False), ("hidden_act", None)])
+def test_a_config_field_the_model_cannot_honour_is_refused(field, value):
+    """A field the model does not read must say what it implements: `hidden_act: relu` passed Gate A (the model
+    ran SiLU) and then failed Gate B against HF, which honoured it, blaming the implementation."""
+    d = get_config("tiny").to_dict()
+    d[field] = value
+    with pytest.raises(ConfigError, match=f"config.{field} is .*; this model implements only"):
+        KimiConfig.from_dict(d)

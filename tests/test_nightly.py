@@ -65,7 +65,7 @@ def test_a_planted_slowdown_fails_the_nightly_and_noise_does_not(tmp_path, slow,
     assert verdicts == (["regression"] if expected else ["ok"])
     assert (tmp_path / "out" / "index.html").is_file()
     summary = (tmp_path / "out" / "SUMMARY.md").read_text()
-    assert ("| REGRESSION: tiny decode ctx 1024 batch 1 ours-graph, float32, no GPU @ " if expected
+    assert ("| REGRESSION: tiny decode ctx 1024 batch 1 ours-graph, float32, no GPU \\@ " if expected
             else "| none of 1 flagged |") in summary
 
 

@@ -534,3 +534,24 @@ def test_regress_command_skips_a_hostile_bench_line_and_judges_the_rest(tmp_path
     out, err = capsys.readouterr()
     assert "results.samples_ms must be an array" in err and "1 configuration(s) judged" in out
     assert not regress.comparable(json.loads(line(results__samples_ms=[0.0, 1.0])))   # a median of 0: not checked
+
+
+def test_import_refuses_a_hard_linked_trace_a_linked_run_folder_and_a_linked_destination(tmp_path, capsys):
+    """A hard link is another name of a file elsewhere on the box; a run folder given through a link, or a
+    destination traces folder that is one, would read or write outside the trees the import names."""
+    box, secret = run_box(tmp_path)
+    os.link(secret, tmp_path / "box" / "reports" / "traces" / "t.json.gz")
+    code, err = imported(tmp_path, box, capsys)
+    assert code == 2 and "hard links" in err and nothing_written(tmp_path)
+
+    box2, _ = run_box(tmp_path / "b")
+    (tmp_path / "b" / "box" / "reports" / "traces" / "t.json.gz").write_bytes(b"trace")
+    (tmp_path / "b" / "alias").symlink_to(box2)
+    code, err = imported(tmp_path / "b", tmp_path / "b" / "alias", capsys)
+    assert code == 2 and "is a symbolic link" in err
+
+    (tmp_path / "b" / "here" / "reports").mkdir(parents=True)
+    (tmp_path / "b" / "here" / "reports" / "traces").symlink_to(secret.parent)
+    code, err = imported(tmp_path / "b", box2, capsys)
+    assert code == 2 and "never written through one" in err
+    assert sorted(p.name for p in secret.parent.iterdir()) == ["secret.txt"]

@@ -1,49 +1,28 @@
 """Elementwise activations over projection outputs, each in one pass.
 
-`silu_mul`: SwiGLU's activation, h = silu(gate) * up: the twin of `F.silu(g) * u` (`model.ops.silu_mul`).
-
-torch runs it as two kernels over the GEMM output (a silu, then a mul; both strided when gate and up are the
-two halves of one [N, 2I] tensor) and writes silu(g) to memory in between. Here gate and up are read once,
-each through its own row stride, and h is written once.
-
-Rounding matches torch on CUDA: silu in fp32 from the input, as torch computes it, g / (1 + exp(-g)) with an
-IEEE exp and division, rounded to the input dtype; then the product in fp32, rounded to the input dtype.
-
-`kda_gate`: KDA's log decay g = -exp(A_log[h]) * softplus(f + dt_bias) in fp32 (`model.kda.kda_gate`), for a
-prefill span: torch runs it as an add, a softplus, an exp and a mul, each over [T, H*d] fp32 (the add and the
-mul alone 0.26 ms a layer at 8k tokens, decomposition 83152036). Here f (bf16) is read once and g written once, with the decode kernel's softplus
-(`kda_decode._softplus`), so prefill and decode compute the gate alike.
+`silu_mul`: SwiGLU's h = silu(gate) * up, the twin of `F.silu(g) * u` (`model.ops.silu_mul`): gate and up read
+once through their row strides, h written once, rounded as torch rounds on CUDA.
+`kda_gate`: KDA's log decay g = -exp(A_log[h]) * softplus(f + dt_bias) in fp32 (`model.kda.kda_gate`) over a
+prefill span, with the decode kernel's softplus, so prefill and decode compute the gate alike
+(docs/kernels.md#act-and-norms).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 import model.triton as mt
-from model.triton.kda_decode import _softplus
+from model.triton.common import silu_f32, softplus
 
 _BLOCK = 4096  # elements per program: rows x columns, columns a power of two up to 1024
 
 
 @triton.jit
-def _silu_f32(y, LIBDEVICE: tl.constexpr):
-    """silu(y) in fp32 as torch computes it: y / (1 + exp(-y)) with an IEEE exp and division. LIBDEVICE: CUDA's
-    IEEE expf (tl.exp is a faster approximation); the CPU interpreter has no libdevice."""
-    if LIBDEVICE:
-        e = libdevice.exp(-y)
-    else:
-        e = tl.exp(-y)
-    return tl.math.div_rn(y, 1.0 + e)
-
-
-@triton.jit
 def _silu_mul_kernel(g, u, h, N, I, stride_g, stride_u,
                      ROWS: tl.constexpr, BI: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """Grid (cdiv(N, ROWS), cdiv(I, BI)). g, u: N rows of I (row strides given, columns contiguous);
-    h [N, I] contiguous. LIBDEVICE: CUDA's IEEE expf (tl.exp is a faster approximation); the CPU
-    interpreter has no libdevice."""
+    """Grid (cdiv(N, ROWS), cdiv(I, BI)). g, u: N rows of I (row strides given, columns contiguous); h [N, I]
+    contiguous. LIBDEVICE: CUDA's IEEE expf (`common.silu_f32`)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BI + tl.arange(0, BI)
     mask = (rows < N)[:, None] & (cols < I)[None, :]
@@ -51,7 +30,7 @@ def _silu_mul_kernel(g, u, h, N, I, stride_g, stride_u,
     dt = h.dtype.element_ty
     b_g = tl.load(g + r64 * stride_g + cols[None, :], mask=mask, other=0.).to(tl.float32)
     b_u = tl.load(u + r64 * stride_u + cols[None, :], mask=mask, other=0.).to(tl.float32)
-    s = _silu_f32(b_g, LIBDEVICE).to(dt).to(tl.float32)
+    s = silu_f32(b_g, LIBDEVICE).to(dt).to(tl.float32)
     tl.store(h + r64 * I + cols[None, :], (s * b_u).to(dt), mask=mask)
 
 
@@ -87,7 +66,7 @@ def _kda_gate_kernel(f, A_log, dt_bias, g, N, C, stride_f, D: tl.constexpr, ROWS
     x = tl.load(f + r64 * stride_f + cols[None, :], mask=mask, other=0.).to(tl.float32)
     x += tl.load(dt_bias + cols, mask=cols < C, other=0.).to(tl.float32)[None, :]
     a = -tl.exp(tl.load(A_log + cols // D, mask=cols < C, other=0.).to(tl.float32))
-    tl.store(g + r64 * C + cols[None, :], a[None, :] * _softplus(x), mask=mask)
+    tl.store(g + r64 * C + cols[None, :], a[None, :] * softplus(x), mask=mask)
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -1,20 +1,8 @@
-"""Causal depthwise conv1d + SiLU over a span of tokens (prefill / recompute): the twin of
-`model.kda.causal_conv1d`.
+"""Causal depthwise conv1d + SiLU over a span of tokens (prefill / recompute): the twin of `model.kda.causal_conv1d`.
 
-torch runs this conv as a generic depthwise 2-d conv on the transposed [B, C, T] input, about 1.9 ms for
-[8192, 12288] bf16 on an H200 (the torch peer in record 3af1c7b0). Here each program owns a strip of BC channels
-over BT consecutive rows and slides a window down them: it loads the W-1 inputs before its first row once (from x,
-or from the carried taps, or zeros, before row 0), then each of its rows once, keeps the last W-1 inputs in
-registers and stores each output row; so x is read (BT + W-1) / BT times instead of W times, with one load and no
-row mask per element. The rows go STEP at a time in a loop, each step's loads issued one step ahead of their use:
-the compiler keeps a load written after a store after it (y may alias x as far as it knows), so a row loaded just
-before its use would wait for its load alone. The kernel this replaced loaded a [BT, BC] tile once per tap (record
-3af1c7b0 timed that one).
-
-Rounding matches the torch form on CUDA bit for bit: taps to x's dtype, inputs to the weight dtype,
-an fp32 sum over the taps in order (starting from 0, as torch's depthwise kernel does), rounded to the
-weight dtype; SiLU as torch computes it, y / (1 + exp(-y)) in fp32 with an IEEE exp and division,
-rounded to the weight dtype, then to x's dtype.
+Each program slides a window of the last W-1 inputs down BT rows of BC channels, reading x (BT + W-1) / BT times
+instead of W (docs/kernels.md#conv). Bit for bit torch's on CUDA: inputs rounded to the weight dtype, an fp32 sum
+over the taps in order rounded to it, then SiLU as torch computes it, rounded to it and then to x's dtype.
 """
 from __future__ import annotations
 
@@ -23,15 +11,11 @@ import triton
 import triton.language as tl
 
 import model.triton as mt
-from model.triton.act import _silu_f32
+from model.triton.common import silu_f32
 from model.kda import carried_taps
 
-# Launch config: rows (tokens) and channels per program, rows per loop step (also how far ahead rows are loaded; BT a
-# multiple of it), warps; `bench_kernels --conv-sweep` times the tiles of CONV_SWEEP. At 8192 x 12288 bf16 the sweep of
-# 8f00376 timed this one fastest, 0.1446 ms `7ca871e4` (32 x 256 on 2 warps 0.1448 `8161ffe2`, the other eight 0.1469
-# to 0.1596), every tile with torch's bits; the per-tap kernel this replaced took 0.2125 ms at its best tile (record
-# 3af1c7b0). By the offline sm_90 SASS: 4 channels a thread in 8-byte loads, 79 registers, no spills, about 35
-# instructions per output element against 56 for the per-tap kernel.
+# Launch config: rows and channels per program, rows per loop step (BT a multiple of it), warps: the fastest tile at
+# 8192 x 12288 bf16 on the H200 (docs/kernels.md#conv).
 CONFIG = dict(BT=32, BC=512, STEP=4, num_warps=4)
 
 
@@ -39,9 +23,8 @@ CONFIG = dict(BT=32, BC=512, STEP=4, num_warps=4)
 def _causal_conv1d_kernel(x, taps, w, y, T, C, stride_xb, stride_xt,
                           W: tl.constexpr, HAS_TAPS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                           STEP: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """Grid (cdiv(T, BT), cdiv(C, BC), B). x rows [B, T] of C channels (row strides given, channels
-    contiguous); taps [B, W-1, C] contiguous; w [C, W] contiguous; y [B, T, C] contiguous; BT a multiple of STEP.
-    LIBDEVICE: CUDA's IEEE expf (tl.exp is a faster approximation); the CPU interpreter has no libdevice."""
+    """Grid (cdiv(T, BT), cdiv(C, BC), B). x rows [B, T] of C channels (row strides given, channels contiguous);
+    taps [B, W-1, C], w [C, W], y [B, T, C] contiguous. LIBDEVICE: CUDA's IEEE expf (`common.silu_f32`)."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0 = i_t * BT
     c = i_c * BC + tl.arange(0, BC)
@@ -65,10 +48,8 @@ def _causal_conv1d_kernel(x, taps, w, y, T, C, stride_xb, stride_xt,
             old = tl.load(taps + i_b.to(tl.int64) * (W - 1) * C + (src + (W - 1)) * C + c, mask=m_old, other=0.)
             b_x = tl.where(m_old, old.to(xdt), b_x)
         win = win + (b_x.to(wdt).to(tl.float32),)
-    # rows STEP at a time, each step's loads issued a step ahead: the stores to y may alias x as far as the compiler
-    # knows, so it keeps a load written after a store after it, and a row loaded just before its use would wait alone.
-    # A row past the program's last (the tile's or x's) loads the last again (in bounds, so with no row mask; its
-    # output is not stored and it feeds no stored output).
+    # rows STEP at a time, each step's loads issued a step ahead (y may alias x as far as the compiler knows, so a load
+    # written after a store stays after it). A row past the program's last loads the last again: in bounds, unstored.
     n = tl.minimum(BT, T - t0)                  # rows the program stores
     xs = ()
     for u in tl.static_range(STEP):
@@ -84,16 +65,15 @@ def _causal_conv1d_kernel(x, taps, w, y, T, C, stride_xb, stride_xt,
             for j in tl.static_range(W - 1):
                 acc += win[j] * ws[j]
             acc += cur * ws[W - 1]
-            b_y = _silu_f32(acc.to(wdt).to(tl.float32), LIBDEVICE).to(wdt).to(xdt)
+            b_y = silu_f32(acc.to(wdt).to(tl.float32), LIBDEVICE).to(wdt).to(xdt)
             tl.store(y_row + (g + u) * C, b_y, mask=m_c & (g + u < n))
             if W > 1:
                 win = win[1:] + (cur,)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor | None = None, cfg: dict | None = None):
-    """Same contract as `model.kda.causal_conv1d`: x [B, T, C] (any row strides, channels contiguous),
-    weight [C, W], taps [B, W-1, C] or None (zeros). Returns (y [B, T, C] in x's dtype, new taps).
-    `cfg` overrides keys of CONFIG (for the benchmark's sweep)."""
+    """`model.kda.causal_conv1d`'s contract: x [B, T, C] (channels contiguous), weight [C, W], taps [B, W-1, C] or
+    None (zeros) -> (y [B, T, C] in x's dtype, new taps). `cfg` overrides keys of CONFIG."""
     B, T, C = x.shape
     W = weight.shape[-1]
     if weight.shape != (C, W) or (taps is not None and taps.shape != (B, W - 1, C)):

@@ -1,23 +1,10 @@
-"""MLA decode over the latent cache ("flash-decoding"), and the absorbed up-projections around it: the fast
-twins of `model.ops.mla_decode_attention_torch` and of the torch form in `model.ops.mla_absorb`. Forward only, fp32 math.
+"""MLA decode over the latent cache ("flash-decoding"), and the absorbed up-projections around it: the fast twins
+of `model.ops.mla_decode_attention_torch` and of the torch form in `model.ops.mla_absorb`. Forward only, fp32 math.
 
-`mla_decode`: one query per head and sequence against cache positions 0..pos (pos a device scalar). The
-positions are cut into fixed-length splits, one program per (sequence, split), all heads at once (the cache
-is shared by the heads, so each latent row is read from memory once): scores [H, BL] = q_lat c^T + q_pe k_pe^T,
-online softmax, acc [H, R] += p c. Each program writes its unnormalised acc and its (max, sum) to a fp32
-workspace; a second kernel merges the splits. The grid is fixed by the buffer's length (CUDA-graph safe), but
-programs whose split starts past pos return at once and nothing past pos is loaded, so the cost follows pos.
-Short buffers, which that layout would spread over only a few SMs (at 1k positions ~8 programs), are cut
-finer (`SHORT`): the heads into groups, one program per (head group, sequence, split), and the positions
-into shorter splits of smaller tiles; the workspace layout, and so the combine, stay the same.
-Two split kernels compute the same thing (`CONFIG["rows"]`, see `plan`): `_mla_decode_split_kernel`, the heads as
-the products' rows, and `_mla_decode_positions_kernel`, the cache positions as the rows, which makes them
-warpgroup MMAs on sm_90 (bf16 caches at steps of 64 positions).
-
-Precision: the cache is bf16 (or fp32), q_lat and p are fp32. tl.dot of bf16 operands multiplies exactly (a
-product of two bf16 is exact in fp32) and accumulates in fp32, so the fp32 operand is split into a bf16 head
-and a bf16 tail (x = hi + lo + O(2^-17 |x|)) and dotted twice: fp32-accurate scores and p @ c at twice the
-bf16 MMA cost, far cheaper than fp32 (IEEE) dots, which run on the FMA units. An fp32 cache takes IEEE dots.
+`mla_decode`: one query per head against cache positions 0..pos (a device scalar), one program per (head group,
+sequence, split of positions), a combine kernel merging the splits; splits past pos return at once, so a grid sized
+by the buffer (CUDA-graph safe) costs what pos needs. A bf16 cache meets each fp32 operand as a bf16 head and tail:
+two exact-product MMAs give fp32-accurate sums. Tiles, layouts and measurements: docs/kernels.md#mla-decode.
 """
 from __future__ import annotations
 
@@ -28,28 +15,16 @@ import triton
 import triton.language as tl
 
 import model.triton as mt
-from model.triton.norms import _rms_normalize
+from model.triton.common import rms_normalize
 
-# The split kernel's tile and launch. sm_90 build at 32 heads x 512, specialised as the model's launch is (its
-# strides multiples of 16; tests/test_triton_kda.py sm90_spills): BL=64 with 8 warps takes 205 registers and no
-# spills, and Triton's pipeliner turns the cache loads into async copies, three stages deep (220 KB of shared
-# memory); BL=32 takes 210 registers, no spills; 4 warps spill 488 bytes. The [32, 512] fp32 accumulator alone is
-# 64 registers a thread. (Built without the launch's int specialisation, as this note first was, the loads stay
-# synchronous and the counts differ: 229 registers at BL=64.)
-_BL = 64  # cache positions per loop step
+# The split kernel's cache positions per loop step and warps: no spills in the sm_90 build at 32 heads x 512, the
+# cache loads pipelined three stages deep (docs/kernels.md#mla-decode-tiles).
+_BL = 64
 _WARPS = 8
-# The layout for short buffers: `heads` heads a program and loop steps of `BL` positions (splits of down to
-# 2 * BL), taken when the buffer's splits of the standard layout at its shortest (MIN_SPLIT), with the heads
-# grouped, still fit on the SMs at once. sm_90 launched builds, 16 heads x 512: 156 registers at BL=32 (8 warps),
-# no spills; BL=64: 158 to 166 by split (8 warps; 4 warps spill 8 bytes). At 1k positions: 34 programs (17 splits
-# of 64, 2 head groups) against 8. None: the standard layout at every length.
-# Where the split is two or more of _BL, the loop takes steps of _BL even in head groups: fewer, longer steps.
-# Graph-timed per layer on the H200 (16 heads a program, `bench_kernels --ops mla_decode_layout`): at 1056
-# positions splits of 64 in steps of 32 take 11.8 us `0f2d6f68` (of 128 in steps of 64: 12.8 us `8607c857`); at
-# 8192 splits of 128 take 20.5 us in steps of 32 `9607ca09`, 17.2 us in steps of 64 `396ad3e7`; all heads 22.0.
+# Short buffers: `heads` heads a program and steps of `BL` positions, where the standard layout's shortest splits
+# with the heads grouped fit on the SMs (docs/kernels.md#mla-decode-short-layout). None: the standard layout always.
 SHORT: dict | None = dict(heads=16, BL=32)
-# An fp32 cache takes IEEE dots of fp32 tiles: at BL=64 they need 377 KB of shared memory (sm_90 has 227 KB;
-# the H200 refused the launch), at 16 positions 150 KB with no spills at 8 warps.
+# An fp32 cache's IEEE dots of fp32 tiles: at 64 positions they would need 377 KB of shared memory (sm_90: 227 KB)
 _BL_FP32 = 16
 
 
@@ -65,9 +40,8 @@ def _dot_bf16(a, b, acc, MMA: tl.constexpr):
 
 @triton.jit
 def _dot_f32(a, b, acc, B_IS_BF16: tl.constexpr, MMA: tl.constexpr):
-    """acc + a @ b for fp32 or bf16 `a`, to fp32 accuracy: with bf16 `b`, an fp32 `a` takes its bf16 head and
-    tail in two exact-product dots (`_dot_bf16`), a bf16 `a` (the bf16 model's q_pe) one, its tail being zero;
-    fp32 `b` takes one IEEE dot."""
+    """acc + a @ b for fp32 or bf16 `a`, to fp32 accuracy: with bf16 `b`, an fp32 `a` as its bf16 head and tail in
+    two exact-product dots, a bf16 `a` in one; with fp32 `b`, one IEEE dot."""
     if B_IS_BF16:
         if a.dtype == tl.bfloat16:
             return _dot_bf16(a, b, acc, MMA)
@@ -102,9 +76,8 @@ def _mla_decode_split_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_pa
                              H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, HG: tl.constexpr,
                              HP: tl.constexpr, RP: tl.constexpr, PP: tl.constexpr, SPLIT: tl.constexpr,
                              BL: tl.constexpr, BF16: tl.constexpr, MMA: tl.constexpr):
-    """One (head group, sequence, split): heads [i_g * HG, (i_g + 1) * HG) (HP >= HG of them in the tiles),
-    positions [i_s * SPLIT, min((i_s + 1) * SPLIT, pos + 1)). The head group is the grid's fastest axis, so
-    the groups of one split run side by side and all but the first find its cache rows in L2."""
+    """One (head group, sequence, split): heads [i_g * HG, (i_g + 1) * HG), positions [i_s * SPLIT, min((i_s + 1) *
+    SPLIT, pos + 1)). Head groups vary fastest, so a split's groups share its cache rows through L2."""
     i_g, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NS = tl.num_programs(2)
     start, end = _split_span(pos_ptr, i_s, SPLIT)
@@ -119,8 +92,7 @@ def _mla_decode_split_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_pa
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([HP, RP], tl.float32)
-    # a constant trip count (a bound computed from pos would not run under the interpreter): blocks past
-    # `end` are fully masked, so they cost no memory traffic, and only the split holding pos has any
+    # a constant trip count (the interpreter takes no bound from pos): blocks past `end` are masked, costing no traffic
     for l0 in range(0, SPLIT, BL):
         offs = start + l0 + tl.arange(0, BL)
         valid = offs < end
@@ -146,8 +118,8 @@ def _mla_decode_split_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, l_pa
 
 @triton.jit
 def _hi_lo_columns(x):
-    """[K, N] fp32 -> [K, 2N] bf16: column 2j is x[:, j]'s bf16 head, column 2j+1 its bf16 tail (x = hi + lo +
-    O(2^-17 |x|)), so that one product gives both halves of an fp32-accurate one (`_sum_column_pairs`)."""
+    """[K, N] fp32 -> [K, 2N] bf16: columns 2j and 2j+1 are x[:, j]'s bf16 head and tail (x = hi + lo + O(2^-17 |x|)),
+    so one product gives both halves of an fp32-accurate one."""
     hi = x.to(tl.bfloat16)
     lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
     return tl.reshape(tl.join(hi, lo), (x.shape[0], 2 * x.shape[1]))
@@ -171,11 +143,8 @@ def _mla_decode_positions_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, 
         s^T [BL, HP]  = pairs(c [BL, R] @ hilo(q_lat^T) [R, 2HP] + k_pe [BL, P] @ hilo(q_pe^T) [P, 2HP])
         acc^T [R, HP] = alpha acc^T + c^T @ hi(p^T) + c^T @ lo(p^T)
 
-    the same fp32-accurate products (each fp32 operand as its bf16 head and tail, `_hi_lo_columns`), online
-    softmax down the positions. Why: on sm_90 a product with at least 64 rows is a warpgroup MMA (wgmma), which
-    reads both operands from shared memory; with the heads as rows (32) the other kernel's products are mma.sync,
-    whose operands every warp loads into registers from shared memory for every tile, the loop-invariant q's head
-    and tail included. Same workspace as the other kernel, same combine."""
+    On sm_90 a product of 64 rows or more is a warpgroup MMA reading its operands from shared memory; the heads as
+    rows (32) give mma.sync, whose operands every warp reloads for every tile. Same workspace and combine."""
     i_g, i_b, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NS = tl.num_programs(2)
     start, end = _split_span(pos_ptr, i_s, SPLIT)
@@ -219,11 +188,8 @@ def _mla_decode_positions_kernel(q_lat, q_pe, c, k_pe, pos_ptr, o_part, m_part, 
 def _mla_decode_combine_kernel(o_part, m_part, l_part, pos_ptr, out, SPLIT: tl.constexpr, NS: tl.constexpr,
                                H: tl.constexpr, R: tl.constexpr, NSP: tl.constexpr, BR: tl.constexpr,
                                SB: tl.constexpr):
-    """out[b, h, r-block] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the splits that ran.
-
-    The splits are merged SB at a time as one [SB, BR] tile (a fixed order: blocks in turn, a tree within a
-    block), not one after another: at 128k context there are ~130 splits, and a loop of dependent scalar
-    loads would wait on memory ~130 times."""
+    """out[b, h, r-block] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the splits that ran, merged SB at a
+    time as one [SB, BR] tile in a fixed order: at 128k context ~130 dependent scalar loads would each wait."""
     i_b, i_h, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(pos_ptr).to(tl.int32) // SPLIT + 1       # splits that started at or before pos
     s = tl.arange(0, NSP)
@@ -247,11 +213,8 @@ def _pad(n: int) -> int:
     return max(16, triton.next_power_of_2(n))   # tl.dot needs every dimension >= 16
 
 
-# At least two loop steps per split. With SPLIT == BL the loop is gone and ptxas builds a 32-register variant
-# that spills ~9 KB a thread (the launched sm_90 build: 8,912 bytes of stack, 3,245 LDL, 2,415 STL); that variant
-# took 129 us a call inside the CUDA graph at 1k context (decomposition record b37af712), a quarter of the decode
-# step. Every SPLIT from 2*BL up builds without spills (198 to 205 registers; tests/test_triton_kda.py); the same
-# holds for the head groups of SHORT at their BL (16 heads, SPLIT=BL=64: 4.6 KB of spills).
+# At least two loop steps per split: with one, ptxas builds a variant without the loop that spills ~9 KB a thread
+# (docs/kernels.md#mla-decode-tiles); from two up no spills, which tests/test_triton_kda.py holds.
 MIN_SPLIT = 2 * _BL
 
 
@@ -260,16 +223,14 @@ def _sms(device: torch.device) -> int:
 
 
 def default_split(L: int, B: int, device: torch.device) -> int:
-    """Positions per split of the standard layout: about one program per SM when the whole buffer is in use, a
-    multiple of _BL, at least MIN_SPLIT."""
+    """Positions per split of the standard layout: about a program per SM over the whole buffer, a multiple of _BL,
+    at least MIN_SPLIT."""
     return max(MIN_SPLIT, _BL * triton.cdiv(triton.cdiv(L, max(1, _sms(device) // B)), _BL))
 
 
 def default_layout(L: int, B: int, H: int, device: torch.device) -> tuple[int, int]:
-    """(positions per split, heads per program) for a buffer of L positions: the standard layout (`default_split`,
-    all heads), or, where even its shortest splits with the heads grouped fit on the SMs at once, SHORT's:
-    about one program per SM when the whole buffer is in use, splits a multiple of SHORT's BL, at least two
-    steps of it."""
+    """(positions per split, heads per program) for a buffer of L positions: the standard layout, or SHORT's where its
+    shortest splits with the heads grouped fit on the SMs at once (splits of at least two of SHORT's BL)."""
     sms = _sms(device)
     if SHORT is not None and SHORT["heads"] < H:
         groups = triton.cdiv(H, SHORT["heads"])
@@ -279,26 +240,12 @@ def default_layout(L: int, B: int, H: int, device: torch.device) -> tuple[int, i
     return default_split(L, B, device), H
 
 
-# Which split kernel a bf16 cache takes where the loop step is _BL positions: "heads" (`_mla_decode_split_kernel`,
-# the heads the products' rows) or "positions" (`_mla_decode_positions_kernel`, the cache positions the rows: warpgroup
-# MMAs on sm_90), over `positions_warps` warps. Everything else (an fp32 cache, SHORT's steps of 32) takes "heads".
-# The launched sm_90 builds at 32 heads, offline (the shared-memory reads estimated from their instructions' shapes;
-# nothing here measured): two stages (three need 303 KB of shared memory), 229,376 bytes of shared memory (the heads
-# kernel's three: 225,280), the cache loads async copies.
-# - "heads" (mma.sync): 186 ldmatrix.x4 a warp per 64 positions, ~762 KB of shared-memory reads for the products
-#   (194 and ~795 KB before the bf16 q_pe took one dot; `_dot_f32`).
-# - "positions", 4 warps (one warpgroup): 255 registers (8 bytes spilled: one value kept across the loop, stored
-#   before it and loaded after it); the scores as 36 wgmma m64n64k16, p @ c as 64 m64n32k16, each reading both
-#   operands from shared memory: ~344 KB.
-# - "positions", 8 warps: 216 registers, no spills; Triton gives a dot that feeds another all warps along its
-#   rows (its flash-attention rule), so both warpgroups compute the same 64-row scores: 104 m64n32k16 each, ~639 KB.
-# "positions" (4 warps) is the default, from H200 runs: a layer's decode attention 88.6 against the heads
-# kernel's 96.2 us at 128k (`3af6521c`), 36.9 against 37.3 at 32k (`b42d2d7e`), 8 warps slower at every length
-# (`95d6e249`; all at 2a19018); the whole graph decode step at 128k 3.047 against 3.102 ms (`afb49030`,
-# `37216595`, at 8d33c8b), and Gate B in bf16 gives the same md5 with either (`dccc6b65`, `9278fd68`).
+# The split kernel of a bf16 cache at steps of _BL: "heads" or "positions" (the products' rows) over
+# `positions_warps` warps; else "heads". "positions" on 4 warps: faster on the H200 at 32k and 128k, the same Gate
+# B tokens (docs/kernels.md#mla-decode-rows).
 CONFIG = dict(rows="positions", positions_warps=4)
 ROWS = ("heads", "positions")
-_POSITIONS_STAGES = 2
+_POSITIONS_STAGES = 2  # three stages would need 303 KB of shared memory
 
 
 class Plan(NamedTuple):
@@ -334,11 +281,9 @@ def plan(L: int, B: int, H: int, dtype: torch.dtype, device: torch.device, split
 
 def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads: int | None = None,
                cfg: dict | None = None):
-    """Latent attention output [B,H,R] fp32 of q_lat [B,H,R] fp32 and q_pe [B,H,P] over c [B,L,R] and
-    k_pe [B,L,P] (bf16 or fp32, one dtype), positions 0..pos (a device scalar). `split` = positions per
-    program and `heads` = heads per program (both by default `default_layout`; a split alone takes all heads):
-    all heads take splits that are multiples of 64, at least MIN_SPLIT; fewer (SHORT's layout), multiples of
-    SHORT's BL, at least two of them. `cfg` overrides CONFIG's keys (`rows`: which split kernel)."""
+    """Latent attention output [B,H,R] fp32 of q_lat [B,H,R] fp32 and q_pe [B,H,P] over c [B,L,R] and k_pe [B,L,P]
+    (bf16 or fp32, one dtype), positions 0..pos (a device scalar). `split` and `heads` (positions and heads per
+    program) default to `default_layout`; `plan` checks them. `cfg` overrides CONFIG's keys."""
     B, H, R = q_lat.shape
     L, P = c.shape[1], k_pe.shape[-1]
     if c.dtype not in (torch.bfloat16, torch.float32) or k_pe.dtype != c.dtype:
@@ -378,12 +323,12 @@ def mla_decode(q_lat, q_pe, c, k_pe, pos, scale, split: int | None = None, heads
 @triton.jit
 def _mla_cache_append_kernel(kv, weight, c_cache, kpe_cache, pos_ptr, eps, s_kv, s_cb, s_cl, s_kb, s_kl,
                              R: tl.constexpr, P: tl.constexpr, RP: tl.constexpr, PP: tl.constexpr):
-    """Sequence b (one program): c_cache[b, pos] = rmsnorm(kv[b, :R]) in HF's order (fp32 normalise, round
-    to kv's dtype, times weight), kpe_cache[b, pos] = kv[b, R:]."""
+    """Sequence b: c_cache[b, pos] = rmsnorm(kv[b, :R]) in HF's order (fp32 normalise, round to kv's dtype, times
+    weight), kpe_cache[b, pos] = kv[b, R:]."""
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr).to(tl.int64)
     r, p = tl.arange(0, RP)[None, :], tl.arange(0, PP)   # c as a one-row tile, as the norm kernel's rows
-    x = _rms_normalize(tl.load(kv + b * s_kv + r, mask=r < R, other=0.).to(tl.float32), R, eps)
+    x = rms_normalize(tl.load(kv + b * s_kv + r, mask=r < R, other=0.).to(tl.float32), R, eps)
     y = x.to(kv.dtype.element_ty).to(tl.float32) * tl.load(weight + r, mask=r < R, other=0.).to(tl.float32)
     tl.store(c_cache + b * s_cb + pos * s_cl + r, y.to(c_cache.dtype.element_ty), mask=r < R)
     k_pe = tl.load(kv + b * s_kv + R + p, mask=p < P, other=0.)
@@ -391,8 +336,7 @@ def _mla_cache_append_kernel(kv, weight, c_cache, kpe_cache, pos_ptr, eps, s_kv,
 
 
 def mla_cache_append(kv, weight, eps, c_cache, kpe_cache, pos):
-    """`model.ops.mla_cache_append` in one launch: kv [B, R+P], caches [B, L, R] / [B, L, P], pos a device
-    scalar."""
+    """`model.ops.mla_cache_append` in one launch: kv [B, R+P], caches [B, L, R] / [B, L, P]."""
     B, R, P = kv.shape[0], c_cache.shape[-1], kpe_cache.shape[-1]
     if kv.shape != (B, R + P) or weight.shape != (R,) or c_cache.shape[0] != B or kpe_cache.shape[:2] != c_cache.shape[:2]:
         raise ValueError(f"mla_cache_append: kv {tuple(kv.shape)}, weight {tuple(weight.shape)} and caches "
@@ -423,10 +367,8 @@ def _mla_absorb_kernel(x, w, out, B, s_xb, s_xh, s_wh, s_wk, s_wn,
     tl.store(out + (b[:, None] * H + i_h) * N + n[None, :], y, mask=(b < B)[:, None] & (n < N)[None, :])
 
 
-# Tiles of w per program and step, by the reduced dim K. Graph-timed per layer on the H200 (`bench_kernels
-# --ops mla_absorb`, batch 1, 32 heads): q_nope @ W_uk (K=128, N=512) 2.88 us at ABSORB's `2241bcba`, no other
-# config faster; o_lat @ W_uv^T (K=512, N=128) 5.01 us at ABSORB_LONG_K's `076a968f`, 6.11 us at ABSORB's
-# `8f09bfdf`.
+# Tiles of w per program and step, by the reduced dim K: the fastest graph-timed at batch 1 on the H200 for
+# q_nope @ W_uk (K=128) and o_lat @ W_uv^T (K=512) (docs/kernels.md#mla-absorb-tiles).
 ABSORB = dict(BN=64, BK=64, num_warps=4)
 ABSORB_LONG_K = dict(BN=32, BK=128, num_warps=2)  # K >= 256
 
@@ -436,9 +378,8 @@ def absorb_config(K: int) -> dict:
 
 
 def mla_absorb(x, w, cfg: dict | None = None):
-    """out[b,h,n] = sum_k x[b,h,k] w[h,k,n] in fp32, fp32-accurate for fp32 x (x [B,H,K] any float dtype,
-    w [H,K,N] bf16 or fp32, any strides): the absorbed key/value up-projections of MLA decode. `cfg`
-    overrides the default tiles (ABSORB, ABSORB_LONG_K; the benchmark's sweep)."""
+    """out[b,h,n] = sum_k x[b,h,k] w[h,k,n] in fp32, fp32-accurate for fp32 x (x [B,H,K], w [H,K,N] bf16 or fp32):
+    the absorbed key/value up-projections of MLA decode. `cfg` overrides the default tiles."""
     B, H, K = x.shape
     N = w.shape[2]
     assert x.stride(-1) == 1 and w.shape[:2] == (H, K)

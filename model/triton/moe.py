@@ -1,36 +1,11 @@
-"""Small-batch MoE in Triton: routing and expert GEMVs that read only the chosen experts' weights.
+"""Small-batch (decode) MoE in Triton, the twin of `model.ops.moe_router` and `model.ops.moe_experts_torch`: weight
+streaming that reads only the chosen experts. Three launches a layer, routing kept on the device:
 
-Decode runs one (or a few) tokens, so each weight matrix is read once per token: the work is pure weight
-streaming, and what matters is enough 16-byte loads in flight on every SM (H200: 132 SMs, ~4.25 TB/s).
-Three launches per MoE layer, routing kept on the device (no host sync, graph-capturable):
-
-  router:   logits[n, e] = x_n . Wr[e] (fp32), then the top-k
-            grid (N, E / BLOCK_E); each program streams BLOCK_E rows of the fp32 router weight. The last
-            program of a token to finish (an arrival counter, put back to 0 by that program, so CUDA graph
-            replays reuse it) reads the token's E logits and picks its experts.
-  gate_up:  act[n, k, i] = silu(w1[e] x_n)[i] * (w3[e] x_n)[i]          e = idx[n, k]
-            grid (N*(K+1), I / BLOCK_I); each program streams a [BLOCK_I, D] slice of w1 and of w3.
-  down:     y[n, d]     = sum_k w[n, k] * (w2[e] act[n, k])[d]  + shared expert (weight 1)
-            grid (N, D / BLOCK_D); each program streams [BLOCK_D, I] slices of all K chosen w2's at once
-            (one [K, BLOCK_D, BLOCK_I] tile per step) and of the shared expert, and sums the slots in
-            registers in a fixed order: no atomics, the same bits on every run.
-The shared expert rides along as slot K of gate_up and beside the K slots in down.
-
-PDL (programmatic dependent launch, CUDA): all three launches start while the kernel before them still runs.
-- The router reads its weight rows, then waits (griddepcontrol.wait) for x from the norm before it (which lets
-  it launch as the norm starts, `model.triton.norms`), then lets gate_up launch.
-- gate_up's shared-expert programs, which need no routing, stream their weights right away (x is complete by
-  then: the router's programs passed their wait before gate_up could launch), while its routed programs wait
-  for the router's idx. Every program then lets down launch, so down starts only once the router is complete.
-- down reads idx, the routing weights and its first step's weight tiles, then waits for gate_up's act: its
-  weights stream during gate_up's tail.
-Nothing else changes: the same bits with or without it. Only outputs that outlive the early start are written
-before a wait (act, allocated after the router's launch, while everything the router reads or writes stays alive:
-its logits in a buffer made once, `model.triton.kept_buffer`); down writes y after its wait.
-
-Tile sizes and launch options are parameters (`GATE_UP`, `DOWN`, `ROUTER` hold the defaults);
-`python -m benchmarks.bench_kernels --ops moe_decode --moe-sweep` times a grid of them on the GPU.
-The references are `model.ops.moe_experts_torch` and `model.ops.moe_router` under `ops.use("torch")`.
+  router:   logits[n, e] = x_n . Wr[e] (fp32); the token's last program to finish picks its top-k experts
+  gate_up:  act[n, k, i] = silu(w1[e] x_n)[i] * (w3[e] x_n)[i]          e = idx[n, k]; slot K the shared expert
+  down:     y[n, d]     = sum_k w[n, k] * (w2[e] act[n, k])[d]  + shared expert, summed in a fixed order
+With PDL (programmatic dependent launch) each launch streams its weights before it waits for the kernel before it:
+the same bits either way. Launch defaults and PDL's order: docs/kernels.md#moe.
 """
 from __future__ import annotations
 
@@ -41,19 +16,8 @@ import triton.language as tl
 import model.triton as mt
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# Launch defaults (tiles and num_warps), chosen for batch-1 decode at D=2304, I=1024, K=8+1, from the sweep of
-# `bench_kernels --ops moe_decode --moe-sweep`, timed as the model runs them: a CUDA graph over 32 layers'
-# weights, cold from HBM (records of run 6619988, N=1: gate_up 24.5 us `ee5e7f29`, down 14.2 us `22b0a6b2`,
-# router 6.7 us `9d333668`). An earlier sweep timed single calls after do_bench's L2 flush and picked tiles that
-# the graph runs at 36.8 us `4bc2d9ce` and 22.8 us `4ce73bda`.
-# Triton does not software-pipeline these loads (no tl.dot), so the bytes in flight come from the tile of one
-# step times the programs resident per SM (all 16-byte vector loads at these shapes; no register spills).
-# Tensor-core forms of both (weight tiles through shared memory by cp.async, num_stages deep) were measured in
-# the same sweep and were no faster: gate_up 24.8 us at best `e3ee2e75`, down 27.3 us `be678a81`.
-# gate_up: 16 rows x 256 columns of w1 and of w3 per step (16 KB) over 8 warps, 9 steps over D; 576 programs.
-# down: one output row of all 8 chosen w2's and the shared expert's, the whole I=1024 in one step (18 KB);
-#   2304 programs at batch 1.
-# router: one row of the fp32 router weight (9 KB) a program; 256 programs per token.
+# Launch defaults for batch-1 decode of the 48B model: the fastest in a CUDA graph over 32 layers' weights, cold from
+# HBM (docs/kernels.md#moe-launch-config). No tl.dot, so the bytes in flight are a step's tile times programs per SM.
 GATE_UP = dict(BLOCK_I=16, BLOCK_D=256, num_warps=8)
 DOWN = dict(BLOCK_D=1, BLOCK_I=1024, num_warps=4)
 ROUTER = dict(BLOCK_E=1, num_warps=4)
@@ -81,19 +45,16 @@ def _gate_up_rows(x_row, w_gate, w_up, mask_i, D: tl.constexpr, BLOCK_I: tl.cons
 def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D: tl.constexpr, I: tl.constexpr,
                     K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
                     PDL: tl.constexpr):
-    """Slot k < K of token n reads expert idx[n, k]; slot K (when SLOTS = K + 1) the shared expert. The routed
-    stack may be held in another dtype than the shared expert (model.checkpoint.ROUTED_EXPERTS): each branch
-    then reads through its own pointers, and only their fp32 sums meet (Triton refuses one pointer variable of
-    two element types). With one dtype (serving) the branch only picks the rows and one loop reads them: for
-    sm_90 that compiles to the instructions of the kernel timed before the split (89ed1ed), where the split
-    form compiles the loop twice, with fewer registers."""
+    """Slot k < K of token n reads expert idx[n, k]; slot K (when SLOTS = K + 1) the shared expert. A routed stack of
+    another dtype than the shared expert's is read through its own pointers (Triton refuses one pointer variable of
+    two element types); with one dtype one loop reads either."""
     pid = tl.program_id(0)
     pid_i = tl.program_id(1)
     n = pid // SLOTS
     k = pid % SLOTS
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < I
-    if PDL and k < K:  # launched early (see PDL above): the routed slots wait for the router's idx
+    if PDL and k < K:  # launched early (PDL): the routed slots wait for the router's idx
         gdc_wait()
     if PDL:  # down may launch once every program got here: the routed ones past their wait, so idx is complete
         gdc_launch_dependents()
@@ -114,8 +75,7 @@ def _moe_expert_gate_up_kernel(x_ptr, idx_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, D
         else:
             acc_g, acc_u = _gate_up_rows(x_ptr + n * D, sg_ptr + offs_i[:, None] * D, su_ptr + offs_i[:, None] * D,
                                          mask_i, D, BLOCK_I, BLOCK_D)
-    # Round where the prefill path (F.linear, F.silu, mul on model-dtype tensors) rounds, so decode and
-    # prefill differ only by fp32 summation order, not by where bf16 rounding happens.
+    # Round where the prefill path (F.linear, F.silu, mul) rounds: decode and prefill differ only in summation order
     DT = act_ptr.dtype.element_ty
     g = acc_g.to(DT).to(tl.float32)
     s = (g * tl.sigmoid(g)).to(DT).to(tl.float32)
@@ -156,9 +116,9 @@ def _down_step(act_ptr, a_rows, a_shared, wd, ws, acc, acc_s, mask_k, i0, I: tl.
 def _moe_expert_down_kernel(act_ptr, idx_ptr, wt_ptr, w_ptr, sd_ptr, y_ptr, D: tl.constexpr, I: tl.constexpr,
                  K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_I: tl.constexpr, PDL: tl.constexpr):
-    """Rows offs_d of y[n] from the K routed slots (a [KP, BLOCK_D, BLOCK_I] tile per step, KP = K padded
-    to a power of two, the padding masked off) and the shared expert (SHARED, slot K of act). PDL: launched early
-    (see the module docstring), the first step's weight tiles are read before waiting for gate_up's act."""
+    """Rows offs_d of y[n] from the K routed slots (a [KP, BLOCK_D, BLOCK_I] tile per step, KP = K padded to a power
+    of two) and the shared expert (SHARED, slot K of act). PDL: the first step's weight tiles are read before the
+    wait for gate_up's act."""
     n = tl.program_id(0)
     pid_d = tl.program_id(1)
     SLOTS: tl.constexpr = K + SHARED
@@ -181,8 +141,8 @@ def _moe_expert_down_kernel(act_ptr, idx_ptr, wt_ptr, w_ptr, sd_ptr, y_ptr, D: t
     for i0 in range(BLOCK_I, I, BLOCK_I):
         wd, ws = _down_weights(w_ptr, sd_ptr, rows, offs_d, mask_kd, mask_d, i0, I, SHARED, BLOCK_I)
         acc, acc_s = _down_step(act_ptr, a_rows, a_shared, wd, ws, acc, acc_s, mask_k, i0, I, SHARED, BLOCK_I)
-    # Each expert's output is rounded (as F.linear's), weighted in fp32 and summed over the slots in a fixed
-    # tree order, the shared expert (weight 1) last; one rounding of the sum, as the prefill path.
+    # Each expert's output rounded (as F.linear's), weighted in fp32, summed in a fixed order, the shared expert
+    # last; one rounding of the sum, as the prefill path.
     DT = y_ptr.dtype.element_ty
     y = tl.sum(wk[:, None] * acc.to(DT).to(tl.float32), axis=0)
     if SHARED:
@@ -195,10 +155,7 @@ def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, g
                           gate_up_cfg: dict | None = None, down_cfg: dict | None = None,
                           early: bool = False) -> torch.Tensor:
     """x [N, D]; idx [N, K] expert ids; w [N, K] fp32 weights; gate_up [E, 2I, D]; down [E, D, I] -> y [N, D].
-
-    `shared` = (gate [I, D], up [I, D], down [D, I]) adds the shared expert (weight 1) in the same launches.
-    `gate_up_cfg` / `down_cfg` override `GATE_UP` / `DOWN` (the benchmark's sweep).
-    """
+    `shared` = (gate [I, D], up [I, D], down [D, I]) adds the shared expert (weight 1) in the same launches."""
     N, D = x.shape
     E, twoI, D2 = gate_up.shape
     I = twoI // 2
@@ -212,9 +169,8 @@ def fused_moe_small_batch(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, g
 
 
 def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None, early: bool = False) -> torch.Tensor:
-    """The first launch: act [N * SLOTS, I] (SLOTS = K, + 1 with the shared expert's (gate, up)). `early` (CUDA):
-    launched to start while the router launched just before it runs (PDL; see the module docstring); set by
-    `fused_moe_decode` alone, which checks that nothing is copied before the launch."""
+    """The first launch: act [N * SLOTS, I] (SLOTS = K, + 1 with the shared expert's (gate, up)). `early`: PDL after
+    the router, set by `fused_moe_decode` alone, which checks that nothing is copied before the launch."""
     mt.require_runnable(_moe_expert_gate_up_kernel, x.device)
     N, D = x.shape
     K, I = idx.shape[1], gate_up.shape[1] // 2
@@ -230,8 +186,8 @@ def expert_gate_up(x, idx, gate_up, shared_gate_up=None, cfg=None, early: bool =
 
 
 def expert_down(act, idx, w, down, shared_down=None, cfg=None, early: bool = False) -> torch.Tensor:
-    """The second launch: y [N, D] from act (`expert_gate_up`), the routing weights w [N, K] fp32 and w2. `early`
-    (CUDA): launched to start while gate_up, launched just before it, runs (PDL); set by `fused_moe_decode` alone."""
+    """The second launch: y [N, D] from act (`expert_gate_up`), the routing weights w [N, K] fp32 and w2. `early`:
+    PDL after gate_up, set by `fused_moe_decode` alone."""
     mt.require_runnable(_moe_expert_down_kernel, act.device)
     N, K = idx.shape
     D, I = down.shape[1], down.shape[2]
@@ -249,12 +205,9 @@ def expert_down(act, idx, w, down, shared_down=None, cfg=None, early: bool = Fal
 @triton.jit
 def _topk_route(logit, offs, mask, bias_ptr, idx_ptr, w_ptr, scaling, K: tl.constexpr, BLOCK_E: tl.constexpr,
                 RENORM: tl.constexpr):
-    """One token's routing from its logits [BLOCK_E] (lanes offs, valid where mask): the K best of
-    sigmoid + bias, their unbiased sigmoid weights (renormalised when RENORM) times scaling.
-
-    Each choice is one max-reduction: the fp32 score's bits, made order-preserving as an int32, sit above the
-    complemented lane index in one int64 key, so the max is the best score and, among equal scores, the lowest
-    index (deterministic ties)."""
+    """One token's routing from its logits [BLOCK_E] (lanes offs, valid where mask): the K best of sigmoid + bias,
+    their unbiased sigmoid weights (renormalised when RENORM) times scaling. Each choice is one max over int64 keys,
+    the score's order-preserving bits above the complemented lane index: ties go to the lowest index."""
     s = tl.sigmoid(logit)
     choice = s + tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     bits = choice.to(tl.int32, bitcast=True)
@@ -321,8 +274,8 @@ def _moe_router_kernel(x_ptr, wr_ptr, bias_ptr, logits_ptr, arrivals, idx_ptr, w
         gdc_launch_dependents()
     xv = tl.load(x_ptr + n * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     tl.store(logits_ptr + n * E + offs_e, tl.sum(wv * xv[None, :], axis=1), mask=mask_e)
-    # Report in once every thread of this program has stored its logits (acq_rel atomic); the last of the
-    # token's programs reads all E logits (.cg: from L2, where the others' stores are) and routes the token.
+    # Report in (acq_rel atomic) once this program's logits are stored; the token's last program reads all E
+    # logits (.cg: from L2) and routes the token.
     tl.debug_barrier()
     if tl.atomic_add(arrivals + n, 1) == tl.num_programs(1) - 1:
         offs = tl.arange(0, EP)
@@ -335,8 +288,8 @@ def _moe_router_kernel(x_ptr, wr_ptr, bias_ptr, logits_ptr, arrivals, idx_ptr, w
 def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scaling: float, renorm: bool,
                  cfg: dict | None = None, early: bool = False):
     """x [N, D], router weight [E, D] (fp32), correction bias [E] -> (idx [N, k] int64, weights [N, k] fp32):
-    the router GEMV and the routing in one launch. `cfg` overrides `ROUTER` (the benchmark's sweep). `early` (CUDA):
-    launched to start while the kernel before it runs (PDL); set by `fused_moe_decode` alone (see there)."""
+    the router GEMV and the routing in one launch. `cfg` overrides `ROUTER`. `early`: PDL after the kernel before,
+    set by `fused_moe_decode` alone."""
     N, D = x.shape
     E = weight.shape[0]
     if weight.shape[1] != D or bias.shape != (E,):
@@ -348,8 +301,8 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.float().contiguous()
     idx = mt.empty(N, k, dtype=torch.int64, device=x.device)
     w = mt.empty(N, k, dtype=torch.float32, device=x.device)
-    # The logits go to a buffer that outlives the call: the gate_up launch that follows may start before this one
-    # ends (PDL), and a temporary freed here could be handed to it by the allocator while still being read.
+    # a buffer that outlives the call: gate_up may start before this launch ends (PDL) and must not be handed a
+    # temporary freed here
     logits = mt.kept_buffer("router logits", x.device, N * E, ROUTER_LOGITS, torch.float32)
     _moe_router_kernel[(N, triton.cdiv(E, be))](
         x, weight, bias, logits, mt.arrival_counters(x.device, N), idx, w, float(scaling), D, E, k, be,
@@ -359,9 +312,8 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
 
 
 def pdl(kernel, device: torch.device, early: bool) -> dict:
-    """Launch arguments for programmatic dependent launch (PDL) when `early`, compiled on CUDA only (the interpreter
-    has no griddepcontrol): the kernel may start while the one before it still runs, and waits (`gdc_wait`) before
-    it reads that kernel's output."""
+    """Launch arguments for programmatic dependent launch when `early`, compiled on CUDA only (the interpreter has no
+    griddepcontrol): the kernel may start while the one before it runs, and waits (`gdc_wait`) for its output."""
     on = early and mt.pdl_capable(kernel, device)
     return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
 
@@ -370,11 +322,9 @@ def fused_moe_decode(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.T
                      renorm: bool, gate_up: torch.Tensor, down: torch.Tensor,
                      shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The whole small-batch MoE block: `fused_router` then `fused_moe_small_batch`, the first two launches `early`
-    (PDL, see the module docstring): the same bits. The caller promises that the kernel launched just before does
-    not write the router's or the experts' weights (true of a model's decode step: they are written at load)."""
-    # The one place that decides the early starts: only when the launches copy none of their inputs. A copy would
-    # be the kernel just before an early launch (whose weights the router reads before it waits), and a temporary
-    # the router reads could be handed to gate_up's act by the allocator while the router still runs.
+    (PDL): the same bits. The caller promises that the kernel launched just before writes neither the router's nor
+    the experts' weights (true of a model's decode step)."""
+    # Early starts only when no input is copied: a copy would be the kernel just before an early launch
     early = (x.is_contiguous() and router_weight.is_contiguous() and bias.dtype == torch.float32
              and bias.is_contiguous() and (shared is None or all(t.is_contiguous() for t in shared)))
     x = x.contiguous()

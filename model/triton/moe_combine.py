@@ -1,9 +1,7 @@
 """The combine step of the grouped-GEMM MoE (prefill): the twin of `model.ops.moe_combine_torch`.
 
-The expert outputs come out of the grouped GEMM sorted by expert; each token gathers its K rows back
-(through the inverse permutation), weighs them and sums them in slot order in fp32, adds the shared
-expert's output and rounds once. No atomics, so the result does not depend on scheduling, and the
-fp32 [N*K, D] intermediate of a scale-then-index_add combine is never written.
+Each token gathers its K expert rows back from the expert-sorted output, weighs them and sums them in slot order in
+fp32, adds the shared expert's output and rounds once: no atomics, so the bits do not depend on scheduling.
 """
 from __future__ import annotations
 

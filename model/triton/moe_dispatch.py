@@ -1,9 +1,6 @@
-"""The dispatch step of the grouped-GEMM MoE (prefill): the twin of `model.ops.moe_dispatch_torch`.
-
-Each (token, slot) pair, in the order sorted by expert, gets a copy of its token's row, so that every expert's
-rows are contiguous for the grouped GEMM: y[i] = x[order[i] // K]. torch's advanced-indexing gather of the same
-rows (plus a kernel for the division) ran at 1.7 TB/s of writes at the 48B model's 8k prefill (65,536 rows of
-2,304 bf16: about 177 us a layer in decomposition ed44981e); a program here copies BR whole rows in 16-byte vectors.
+"""The dispatch step of the grouped-GEMM MoE (prefill), the twin of `model.ops.moe_dispatch_torch`: y[i] =
+x[order[i] // K], every expert's rows contiguous for the grouped GEMM, a program copying BR whole rows in 16-byte
+vectors (docs/kernels.md#moe-dispatch-and-moe-combine).
 """
 from __future__ import annotations
 

@@ -1,30 +1,9 @@
 """Grouped expert GEMMs of the prefill MoE in Triton, with the dispatch and the SwiGLU fused in: an alternative
 to `model.ops.moe_experts_grouped`'s torch form (dispatch copy, torch's grouped GEMM, `silu_mul`, grouped GEMM),
 the twin of `model.ops.moe_experts_torch` up to fp32 summation order (`experts`). `CONFIG["use"]` names the kernels
-the model runs in place of the torch form's (`model.ops.moe_experts_grouped`); `bench_kernels --ops moe_prefill`
-times each beside the part of the torch form it replaces.
-
-Why it might pay (the 8k prefill of the 48B model, decomposition 4af01266): torch's grouped GEMMs take 51.3 ms,
-about 470 TFLOP/s, and around them the dispatch copy (3.2 ms) and silu_mul (3.1 ms) move 0.7 GB a layer. Here
-the gate_up kernel reads each (token, slot) pair's row of x straight from x (through the sorted pair order),
-holds the gate and up tiles of one column block side by side, and writes only h = silu(gate) * up; the down
-kernel writes the expert outputs in the sorted order that `moe_combine` reads. Row tiles are BM rows of one
-expert, so an expert with n rows costs ceil(n / BM) tiles (torch's kernel picks its own, larger, tiles).
-What it measured (docs/RESULTS.md, "Measured and dropped"): torch's bits, every size; alone, down beats torch's grouped
-GEMM at 1k, 8k and 32k tokens (at 8k with TMA and persistent programs 0.725 against 0.856 ms, `75032a08`) and
-gate_up beats dispatch + grouped GEMM + silu_mul at 1k and ties at 8k; in the model's whole prefill, timed in
-interleaved rounds by `benchmarks.bench_ab`, no variant gained (8k within 0.6% either way, 32k up to 3% slower,
-1k 6-17% slower; records cited there): at 8k and 32k the prefill runs at the board's power cap with the
-clock lowered, so `CONFIG["use"]` is empty.
-
-Tiles: `expert_tiles` lays out, on the device and without a host sync, the row tiles of every expert in order;
-the grid has room for the most tiles any routing can need (cdiv(M, BM) + E), and programs past the last tile
-return at once.
-
-Rounding follows the torch form: gate and up rounded to the model dtype (as the grouped GEMM's output is),
-silu in fp32 with an IEEE exp and division rounded to the model dtype, the product rounded (as `silu_mul`);
-the down GEMM's output rounded to the model dtype. bf16 only (the experts and the tokens): other dtypes keep
-the torch form.
+the model runs instead; none by default, as none made the whole prefill faster (docs/kernels.md#moe-grouped). Row
+tiles hold BM rows of one expert (`expert_tiles`); programs past the last tile return at once. Rounding follows the
+torch form: gate, up, silu, their product and the down output each rounded to the model dtype. bf16 only.
 """
 from __future__ import annotations
 
@@ -34,14 +13,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import model.triton as mt
-from model.triton.act import _silu_f32
-from model.triton.kda_chunk import _rounded
+from model.triton.common import rounded, silu_f32
 
-# Launch config: the kernels the model uses ("gate_up", "down"; the others stay torch's), the program order
-# (`_program_tile`), and each kernel's tiles and warps (each kernel lays out its own row tiles, `expert_tiles`, so
-# the two may differ in BM); per kernel, `tma`: the weight tiles (and down's row tiles of h, which are contiguous)
-# through the tensor-copy engine rather than per-thread loads, and `persistent`: one program an SM, each looping
-# over tiles, rather than one program a tile.
+# Launch config: the kernels the model uses ("gate_up", "down"), the program order (`_program_tile`), and per
+# kernel its tiles (BM may differ), warps, `tma` (tiles through the tensor-copy engine) and `persistent` (one
+# program an SM, looping over tiles).
 CONFIG = dict(use=(), n_fastest=True,
               gate_up=dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3, tma=False, persistent=False),
               down=dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, tma=False, persistent=False))
@@ -58,10 +34,9 @@ def _dot(a, b, acc, COMPILED: tl.constexpr):
 
 @triton.jit
 def _program_tile(p, n_tiles, NB: tl.constexpr, N_FASTEST: tl.constexpr):
-    """(row tile, column block) of tile p in the 1-d grid of n_tiles x NB. N_FASTEST: a row tile's column
-    blocks are consecutive programs, so they run together and read its rows of x (or h) once from DRAM, and the
-    few row tiles of one expert run within a wave of each other and share its weight tiles through L2. Else row
-    tiles vary fastest: every column block rereads all the rows (the order of 5c8ff18's candidate)."""
+    """(row tile, column block) of tile p in the grid of n_tiles x NB. N_FASTEST: a row tile's column blocks are
+    consecutive programs, reading its rows once from DRAM, and an expert's row tiles share its weights through L2.
+    Else row tiles vary fastest."""
     if N_FASTEST:
         return p // NB, p % NB
     return p % n_tiles, p // n_tiles
@@ -79,9 +54,8 @@ def _row_tile(tile_e, tile_r0, offs, t, BM: tl.constexpr):
 def _gate_up_silu_tile(p, x, order, w, w_desc, h, tile_e, tile_r0, offs, n_tiles, K: tl.constexpr, D: tl.constexpr,
                        I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_FASTEST: tl.constexpr,
                        TMA: tl.constexpr, COMPILED: tl.constexpr):
-    """Tile p of the grid of n_tiles x cdiv(I, BN) (`_program_tile`); nothing for a tile past the last.
-    TMA: the weight tiles through the tensor-copy engine (`w_desc`, w as [E * 2I, D] rows); a tile's rows past I
-    (the up rows, or the next expert's) land in columns the store masks off."""
+    """Tile p of the grid of n_tiles x cdiv(I, BN); nothing past the last tile. TMA: the weight tiles through `w_desc`
+    (w as [E * 2I, D] rows); rows past I land in columns the store masks off."""
     t, nb = _program_tile(p, n_tiles, tl.cdiv(I, BN), N_FASTEST)
     e, r, live = _row_tile(tile_e, tile_r0, offs, t, BM)
     if e >= 0:
@@ -106,9 +80,9 @@ def _gate_up_silu_tile(p, x, order, w, w_desc, h, tile_e, tile_r0, offs, n_tiles
             acc_g = _dot(a, b_g, acc_g, COMPILED)
             acc_u = _dot(a, b_u, acc_u, COMPILED)
         dt = h.dtype.element_ty
-        g = _rounded(acc_g, dt, COMPILED).to(tl.float32)
-        s = _rounded(_silu_f32(g, COMPILED), dt, COMPILED).to(tl.float32)
-        out = _rounded(s * _rounded(acc_u, dt, COMPILED).to(tl.float32), dt, COMPILED)
+        g = rounded(acc_g, dt, COMPILED).to(tl.float32)
+        s = rounded(silu_f32(g, COMPILED), dt, COMPILED).to(tl.float32)
+        out = rounded(s * rounded(acc_u, dt, COMPILED).to(tl.float32), dt, COMPILED)
         tl.store(h + r.to(tl.int64)[:, None] * I + n[None, :], out, mask=live[:, None] & m_n[None, :])
 
 
@@ -117,10 +91,8 @@ def _moe_grouped_gate_up_kernel(x, order, w, w_desc, h, tile_e, tile_r0, offs, n
                                 D: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                                 BK: tl.constexpr, N_FASTEST: tl.constexpr, TMA: tl.constexpr,
                                 PERSISTENT: tl.constexpr, COMPILED: tl.constexpr):
-    """x [N, D]; order [M] sorted pairs (flat n*K + k); w [E, 2I, D] (gate rows, then up rows); h [M, I];
-    tile_e / tile_r0 [n_tiles] int32 (expert, first row; expert -1 past the last tile); offs [E] int32 row ends.
-    Grid: one program a tile of n_tiles x cdiv(I, BN), or PERSISTENT: fewer programs, each taking every
-    num_programs-th tile."""
+    """x [N, D]; order [M] sorted pairs (flat n*K + k); w [E, 2I, D] (gate rows, then up rows); h [M, I]; tile_e /
+    tile_r0 (`expert_tiles`); offs [E] int32 row ends. One program a tile, or PERSISTENT: every num_programs-th."""
     n_all = n_tiles * tl.cdiv(I, BN)
     if PERSISTENT:
         if COMPILED:
@@ -142,9 +114,8 @@ def _moe_grouped_gate_up_kernel(x, order, w, w_desc, h, tile_e, tile_r0, offs, n
 def _down_tile(p, h, h_desc, w, w_desc, out, tile_e, tile_r0, offs, n_tiles, D: tl.constexpr, I: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_FASTEST: tl.constexpr, TMA: tl.constexpr,
                COMPILED: tl.constexpr):
-    """Tile p of the grid of n_tiles x cdiv(D, BN); nothing for a tile past the last. TMA: the row tiles of h
-    (`h_desc`, [M, I]) and the weight tiles (`w_desc`, w as [E * D, I]) through the tensor-copy engine; rows past
-    the expert's (the next expert's, or zeros past M) land in rows the store masks off."""
+    """Tile p of the grid of n_tiles x cdiv(D, BN); nothing past the last tile. TMA: h's row tiles (`h_desc`) and
+    the weight tiles (`w_desc`, w as [E * D, I]); rows past the expert's land in rows the store masks off."""
     t, nb = _program_tile(p, n_tiles, tl.cdiv(D, BN), N_FASTEST)
     e, r, live = _row_tile(tile_e, tile_r0, offs, t, BM)
     if e >= 0:
@@ -166,7 +137,7 @@ def _down_tile(p, h, h_desc, w, w_desc, out, tile_e, tile_r0, offs, n_tiles, D: 
                 a = tl.load(a_p + k0, mask=live[:, None] & m_k[None, :], other=0.)
                 b = tl.load(b_p + k0, mask=m_k[:, None] & m_n[None, :], other=0.)
             acc = _dot(a, b, acc, COMPILED)
-        tl.store(out + r64[:, None] * D + n[None, :], _rounded(acc, out.dtype.element_ty, COMPILED),
+        tl.store(out + r64[:, None] * D + n[None, :], rounded(acc, out.dtype.element_ty, COMPILED),
                  mask=live[:, None] & m_n[None, :])
 
 
@@ -194,9 +165,8 @@ def _moe_grouped_down_kernel(h, h_desc, w, w_desc, out, tile_e, tile_r0, offs, n
 
 
 def expert_tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tile_e, tile_r0), each [cdiv(M, BM) + E] int32: the expert and first row of every row tile, experts in
-    order, each expert's rows offs[e-1]:offs[e] cut into tiles of BM; -1 / 0 past the last tile. Device ops only
-    (no host sync); the length is the most tiles any routing of M rows over E experts can need."""
+    """(tile_e, tile_r0), each [cdiv(M, BM) + E] int32 (the most tiles any routing can need): the expert and first
+    row of every row tile, each expert's rows cut into tiles of BM; -1 / 0 past the last. No host sync."""
     E = offs.numel()
     offs = offs.long()
     starts = torch.cat([offs.new_zeros(1), offs[:-1]])
@@ -224,8 +194,7 @@ def _launch(kernel, n_all: int, k: dict, device: torch.device, *args, **meta) ->
 
 def gate_up_silu(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, K: int,
                  cfg: dict | None = None) -> torch.Tensor:
-    """h [M, I] = silu(W1[e] x_r) * W3[e] x_r for each sorted pair row r (token order[r] // K, expert e by offs),
-    rounded as the torch form rounds; tiles and warps from CONFIG["gate_up"] (`cfg` overrides CONFIG's keys)."""
+    """h [M, I] = silu(W1[e] x_r) * W3[e] x_r for each sorted pair row r (token order[r] // K, expert e by offs)."""
     c = mt.launch_config("moe_grouped.gate_up_silu", CONFIG, cfg)
     k = c["gate_up"]
     N, D = x.shape
@@ -242,8 +211,7 @@ def gate_up_silu(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_
 
 
 def down(h: torch.Tensor, offs: torch.Tensor, down_w: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
-    """out [M, D] = W2[e] h_r for each sorted row r (expert e by offs), rounded to h's dtype; tiles and warps from
-    CONFIG["down"]."""
+    """out [M, D] = W2[e] h_r for each sorted row r (expert e by offs), in h's dtype."""
     c = mt.launch_config("moe_grouped.down", CONFIG, cfg)
     k = c["down"]
     M, I = h.shape
@@ -263,8 +231,8 @@ def down(h: torch.Tensor, offs: torch.Tensor, down_w: torch.Tensor, cfg: dict | 
 
 def experts(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, down_w: torch.Tensor,
             K: int, cfg: dict | None = None) -> torch.Tensor:
-    """out [M, D] = W2[e] (silu(W1[e] x_r) * W3[e] x_r) for each sorted pair row r (token order[r] // K, expert e
-    by offs), in the sorted order, rounded as the torch form rounds. `cfg` overrides keys of CONFIG."""
+    """out [M, D] = W2[e] (silu(W1[e] x_r) * W3[e] x_r) for each sorted pair row r, in the sorted order. `cfg`
+    overrides keys of CONFIG."""
     N, D = x.shape
     E, I2, D2 = gate_up.shape
     M, I = order.numel(), I2 // 2

@@ -10,26 +10,19 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 import model.triton as mt
-
-
-@triton.jit
-def _rms_normalize(x, D: tl.constexpr, eps):
-    """x * rsqrt(mean(x^2) + eps) over the rows of an fp32 tile [ROWS, BD] of D values each (padding lanes 0)."""
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+from model.triton.common import rms_normalize
 
 
 @triton.jit
 def _rmsnorm_kernel(x, res, gate, weight, y, res_out, N, stride_x, D: tl.constexpr, eps,
                     BD: tl.constexpr, ROWS: tl.constexpr, ADD_RES: tl.constexpr, GATED: tl.constexpr,
                     SIGNAL: tl.constexpr):
-    """y = rmsnorm(x) over rows of D. Grid (cdiv(N, ROWS),); tile [ROWS, BD] (BD = D padded to 2^n).
-    x's rows are stride_x apart (a column slice of a wider tensor is read in place); the others are [N, D].
+    """y = rmsnorm(x) over rows of D. Grid (cdiv(N, ROWS),); tile [ROWS, BD]; x's rows stride_x apart.
 
     ADD_RES: x <- x + res first, rounded to x's dtype and stored to res_out (the new residual).
     GATED:   y = x * rsqrt(mean(x^2) + eps) * weight * sigmoid(gate), all fp32, cast once (HF gated norm).
     else:    y = (x * rsqrt(mean(x^2) + eps)).to(x dtype) * weight, cast to y's dtype (HF RMSNorm).
-    SIGNAL (compiled, CUDA): lets a kernel launched after it with PDL start now (in decode, the MoE router, which
-    reads its weights while this runs and waits for y, `model.triton.moe`); a no-op before any other launch.
+    SIGNAL: lets a kernel launched after it with PDL start now (the decode MoE router, `model.triton.moe`).
     """
     if SIGNAL:
         gdc_launch_dependents()
@@ -41,7 +34,7 @@ def _rmsnorm_kernel(x, res, gate, weight, y, res_out, N, stride_x, D: tl.constex
     if ADD_RES:
         b_x = (b_x.to(tl.float32) + tl.load(res + off, mask=mask, other=0.).to(tl.float32)).to(x.dtype.element_ty)
         tl.store(res_out + off, b_x, mask=mask)
-    b_xf = _rms_normalize(b_x.to(tl.float32), D, eps)
+    b_xf = rms_normalize(b_x.to(tl.float32), D, eps)
     b_w = tl.load(weight + cols, mask=cols < D, other=0.).to(tl.float32)
     if GATED:
         b_y = b_xf * b_w[None, :] * tl.sigmoid(tl.load(gate + off, mask=mask, other=0.).to(tl.float32))
@@ -96,7 +89,7 @@ def gated_rmsnorm(o, gate, weight, eps):
 
 def add_rmsnorm(x, residual, weight, eps, signal: bool = True):
     """new_residual = x + residual (in x's dtype); returns (rmsnorm(new_residual, weight, eps), new_residual).
-    `signal=False` launches the kernel without SIGNAL (the benchmark's peer, to measure what SIGNAL buys)."""
+    `signal=False`: without SIGNAL (the benchmark's peer)."""
     if residual.dtype != x.dtype:
         raise TypeError(f"add_rmsnorm: residual dtype {residual.dtype} differs from x dtype {x.dtype}")
     return _launch(x, weight, eps, res=residual, out_dtype=torch.promote_types(x.dtype, weight.dtype), signal=signal)
