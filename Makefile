@@ -72,7 +72,7 @@ bench: $(SETUP)
 	$(PY) -m benchmarks.bench_e2e $(if $(PRESET),--preset $(PRESET))
 
 bench-kernels: $(SETUP)
-	$(PY) -m benchmarks.bench_kernels
+	$(PY) -m benchmarks.kernels
 
 decompose: $(SETUP)
 	$(PY) -m benchmarks.decompose $(if $(PRESET),--preset $(PRESET))
