@@ -34,7 +34,7 @@ GATE_FLAGS = $(if $(PRESET),--preset $(PRESET)) $(if $(MODEL),--model $(MODEL)) 
   $(if $(DEVICE),--device $(DEVICE)) $(if $(NEW_TOKENS),--new-tokens $(NEW_TOKENS)) \
   $(if $(FLOOR_GIB),--floor-gib $(FLOOR_GIB)) $(if $(SEED),--seed $(SEED)) $(if $(KERNELS),--kernels $(KERNELS))
 
-.PHONY: setup test test-gpu gate-a gate-b gate-memory golden bench bench-kernels decompose report nightly clean
+.PHONY: setup test test-slow test-gpu gate-a gate-b gate-memory golden bench bench-kernels decompose report nightly clean
 
 setup: $(SETUP)
 
@@ -49,9 +49,14 @@ $(VENV)/.installed: pyproject.toml
 # interpreter as on CI (on a GPU box they would otherwise be compiled, and these tests hold interpreter-run kernels
 # to their bits and hand them CPU tensors). The GPU tests: test-gpu.
 # TESTS: the files (or node ids) to run, all by default; e.g. a share of test-gpu that fits a time-limited call
+# `make test` leaves out the tests marked slow (long interpreter runs, sm_90 compiles, end-to-end subprocess runs):
+# `make test-slow` runs them, on the same terms; CI (.ci/run) runs both.
 TESTS ?= tests
 test: $(SETUP)
-	CUDA_VISIBLE_DEVICES= $(PY) -m pytest $(TESTS) -m "not gpu"
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest $(TESTS) -m "not gpu and not slow"
+
+test-slow: $(SETUP)
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest $(TESTS) -m "slow and not gpu"
 
 test-gpu: $(SETUP)
 	$(PY) -m pytest $(TESTS) -m gpu

@@ -77,6 +77,9 @@ def test_an_old_slow_record_is_not_judged_again_when_bench_did_not_run(tmp_path)
     assert "| nothing judged (no bench record) |" in (tmp_path / "out" / "SUMMARY.md").read_text()
 
 
+# Slow tier: the whole nightly on tiny, each step its own process (about a minute). The steps' commands are tested
+# on their own in test_gates.py and test_benchmarks.py; the nightly's verdicts and summary over stand-in steps above.
+@pytest.mark.slow
 def test_full_nightly_on_tiny_passes(tmp_path):
     code = nightly.main(dirs(tmp_path))
     kinds = {r["kind"] for r in store.load(root=tmp_path / "rec").records}

@@ -7,7 +7,10 @@ from model.build import load_model
 from model.generate import generate_incremental, generate_recompute
 from tests.conftest import rel_err
 
-PROMPTS = [[500, 7, 8, 9], [500, 300, 1, 44, 45, 46, 47, 200, 19, 91, 3], [500] + list(range(60, 140))]
+# The first two prompts take the same paths (a prefill inside one chunk and the decode-sized MoE kernels, then the
+# decode step); the second's longer prefills run the most interpreted programs of the three, so it is in the slow tier.
+PROMPTS = [[500, 7, 8, 9], pytest.param([500, 300, 1, 44, 45, 46, 47, 200, 19, 91, 3], marks=pytest.mark.slow),
+           [500] + list(range(60, 140))]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -22,7 +25,8 @@ def test_triton_incremental_equals_torch_recompute(tiny, prompt):
         ref = generate_recompute(tiny, prompt, 10, keep_logits=True)
     with ops.use("triton"):
         inc = generate_incremental(tiny, prompt, 10, keep_logits=True)
-        rec = generate_recompute(tiny, prompt, 3, keep_logits=True)
+        # one step: only the first recompute step's logits are compared, and each later step is a whole prefill
+        rec = generate_recompute(tiny, prompt, 1, keep_logits=True)
     assert inc.tokens == ref.tokens
     for a, b in zip(inc.logits, ref.logits):
         assert rel_err(a, b) < 1e-4

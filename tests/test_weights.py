@@ -162,14 +162,28 @@ def test_synthetic_is_deterministic_per_seed_and_name():
         assert o[x].shape == o[y].shape and not torch.equal(o[x], o[y]), (x, y)
 
 
-def _child(code: str, env: dict | None = None) -> str:
-    """The output of a fresh Python process running `code` from the repository (in `env`, default this one's):
-    the tests below need a process of their own for its CPU code paths or for its peak resident memory."""
+def _start(code: str, env: dict | None = None) -> subprocess.Popen:
+    """A fresh Python process running `code` from the repository (in `env`, default this one's): the tests below
+    need a process of their own for its CPU code paths or for its peak resident memory."""
     root = str(Path(__file__).resolve().parents[1])
-    child = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
-                           env={**(os.environ if env is None else env), "PYTHONPATH": root})
-    assert child.returncode == 0, child.stderr[-3000:]
-    return child.stdout
+    return subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**(os.environ if env is None else env), "PYTHONPATH": root})
+
+
+def _output(child: subprocess.Popen) -> str:
+    """What a `_start`ed process printed, once it has exited 0 (killed after 300 s)."""
+    try:
+        out, err = child.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise
+    assert child.returncode == 0, err[-3000:]
+    return out
+
+
+def _child(code: str, env: dict | None = None) -> str:
+    return _output(_start(code, env))
 
 
 # Child processes that take ATen's and MKL's other CPU code paths: the tiny weights' fingerprint, and (the control)
@@ -189,10 +203,11 @@ def test_synthetic_weights_are_the_same_on_every_cpu_code_path():
     under ATEN_CPU_CAPABILITY=default and MKL_CBWR=AVX (the paths an older or AMD CPU takes) they fingerprint as
     under this CPU's own. The control: ATen's plain fp32 forms do change across those paths here (on an Intel
     Xeon with AVX-512 the committed weights of 90cc8ab read sha256:35c32957752f141b only under MKL_CBWR=AVX)."""
-    seen = {}
-    for extra in ({}, {"ATEN_CPU_CAPABILITY": "default"}, {"MKL_CBWR": "AVX"}):
-        env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
-        seen[tuple(extra.items())] = _child(_PATHS_CODE, {**env, **extra}).split()
+    extras = ({}, {"ATEN_CPU_CAPABILITY": "default"}, {"MKL_CBWR": "AVX"})
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
+    # the three processes side by side: most of each one's time is its start (importing torch)
+    children = [_start(_PATHS_CODE, {**env, **extra}) for extra in extras]
+    seen = {tuple(extra.items()): _output(child).split() for extra, child in zip(extras, children)}
     ours = {v[0] for v in seen.values()}
     assert len(ours) == 1, seen
     if len({v[1] for v in seen.values()}) == 1:
