@@ -11,13 +11,16 @@ from .checkpoint import internal_names, load_checkpoint
 from .config import KimiConfig, get_config
 from .layers import KimiDeltaAttention, MultiLatentAttention, Router
 from .model import KimiLinear
+from .parallel import ExpertParallel, load_checkpoint_shard, shard_
+from .parallel import weights_id as parallel_weights_id
 from .weights import synthetic_weights, weights_id
 
 SMALL_MODEL_BYTES = 1 << 30  # synthetic weights below this (in bf16) are drawn on the CPU, then moved
 
 
-def from_state_dict(cfg: KimiConfig, state: dict[str, torch.Tensor]) -> KimiLinear:
-    """Wrap the given tensors (modules are built on the meta device, then assigned).
+def from_state_dict(cfg: KimiConfig, state: dict[str, torch.Tensor], ep: ExpertParallel | None = None) -> KimiLinear:
+    """Wrap the given tensors (modules are built on the meta device, then assigned). With `ep` (more than one rank),
+    the routed expert stacks of `state` hold that rank's experts alone (`model.parallel`).
 
     Every tensor is used as it is, not copied, except the projections that `KimiDeltaAttention.pack_` (q/k/v,
     f_a/f_b, g_a/g_b, b_proj) and `MultiLatentAttention.pack_` (q_proj, kv_a_proj_with_mqa) pack: those are
@@ -27,6 +30,8 @@ def from_state_dict(cfg: KimiConfig, state: dict[str, torch.Tensor]) -> KimiLine
     """
     with torch.device("meta"):
         model = KimiLinear(cfg)
+        if ep is not None:
+            shard_(model, ep)
     expected = set(model.state_dict())
     missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or extra:
@@ -54,7 +59,8 @@ class Loaded:
 
 
 def load_model(preset: str | None = None, checkpoint: str | None = None, *, device="cpu",
-               dtype=torch.float32, seed: int = 0, expert_dtype: torch.dtype | None = None) -> Loaded:
+               dtype=torch.float32, seed: int = 0, expert_dtype: torch.dtype | None = None,
+               ep: ExpertParallel | None = None) -> Loaded:
     """Exactly one of `preset` (synthetic weights) or `checkpoint` (original-format directory).
 
     `expert_dtype` holds the routed experts apart from `dtype` (`model.checkpoint.ROUTED_EXPERTS`): bf16 under an
@@ -62,22 +68,30 @@ def load_model(preset: str | None = None, checkpoint: str | None = None, *, devi
 
     Small presets are drawn on the CPU and moved, so they are the same weights on every device (CPU and CUDA
     generators differ) and the committed CPU goldens also judge GPU runs; larger ones are drawn on the device.
+
+    `ep` (expert parallelism, `model.parallel`; world 1 is the one-process model): this rank's share alone is drawn
+    or read, its routed experts and everything else; the weights id is the whole model's (a collective: every rank
+    loads at once).
     """
     if (preset is None) == (checkpoint is None):
         raise ValueError("give exactly one of preset= or checkpoint=")
+    ep = None if ep is None or ep.world == 1 else ep
     t0 = time.perf_counter()
     if checkpoint is not None:
-        cfg, state = load_checkpoint(checkpoint, device=device, dtype=dtype, expert_dtype=expert_dtype)
+        if ep is None:
+            cfg, state = load_checkpoint(checkpoint, device=device, dtype=dtype, expert_dtype=expert_dtype)
+        else:
+            cfg, state = load_checkpoint_shard(checkpoint, ep, device=device, dtype=dtype, expert_dtype=expert_dtype)
         source = str(Path(checkpoint).resolve())
     else:
         cfg = get_config(preset)
         state = synthetic_weights(cfg, seed=seed, device="cpu" if is_small(cfg) else device, dtype=dtype,
-                                  expert_dtype=expert_dtype)
+                                  expert_dtype=expert_dtype, shard=ep)
         state = {n: t.to(device) for n, t in state.items()}
         source = f"synthetic:{preset}:seed={seed}"
-    model = from_state_dict(cfg, state)
+    model = from_state_dict(cfg, state, ep)
     del state  # its KDA projections were copied into packed buffers: let them go
-    wid = weights_id(model.state_dict(), cfg)
+    wid = weights_id(model.state_dict(), cfg) if ep is None else parallel_weights_id(model.state_dict(), cfg, ep)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # NVML (the memory floor) sees the freed copies as used while they stay cached

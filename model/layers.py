@@ -264,18 +264,49 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    """Router, routed experts, shared expert. After `shard_` (expert parallelism, `model.parallel`), the routed
+    stacks hold one rank's experts and `forward` returns the sum over the ranks of their partial outputs."""
+
     def __init__(self, cfg: KimiConfig):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts) \
             if cfg.num_shared_experts else None
+        self.ep = None  # a model.parallel.ExpertParallel once sharded
+
+    @torch.no_grad()
+    def shard_(self, ep) -> None:
+        """Keep only `ep`'s experts: rows ep.start:ep.stop of both stacks, copied, so the whole stacks can go (on
+        the meta device, before weights are assigned, nothing is held). One rank (world 1) changes nothing."""
+        ex = self.experts
+        if self.ep is not None:
+            raise RuntimeError("this MoE layer is sharded already")
+        if ex.gate_up_proj.shape[0] != ep.num_experts:
+            raise ValueError(f"expert parallelism over {ep.num_experts} experts; this layer holds "
+                             f"{ex.gate_up_proj.shape[0]}")
+        if ep.world == 1:
+            return
+        ex.gate_up_proj = nn.Parameter(ex.gate_up_proj[ep.start:ep.stop].clone(), requires_grad=False)
+        ex.down_proj = nn.Parameter(ex.down_proj[ep.start:ep.stop].clone(), requires_grad=False)
+        self.ep = ep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        y = ops.moe(x, self.gate, self.experts.gate_up_proj, self.experts.down_proj, self.shared_experts)
+        if self.ep is None:
+            y = ops.moe(x, self.gate, self.experts.gate_up_proj, self.experts.down_proj, self.shared_experts)
+        else:
+            y = self.ep.reduce(self.partial(x))  # one all_reduce over the ranks
         return y.view(shape)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """A sharded layer's output on this rank before the sum over the ranks, x [N, D] -> [N, D]: its experts'
+        share of the routed sum (`ExpertParallel.localize`), plus the shared expert on rank 0 alone. The routing is
+        computed on every rank from the same inputs and weights, so every rank chooses the same experts."""
+        idx, w = self.ep.localize(*self.gate(x))
+        shared = self.shared_experts if self.ep.rank == 0 else None
+        return ops.moe_experts(x, idx, w, self.experts.gate_up_proj, self.experts.down_proj, shared)
 
 
 class DecoderLayer(nn.Module):

@@ -169,16 +169,19 @@ def _draw(cfg: KimiConfig, name: str, slot: Slot, dst: torch.Tensor, seed: int) 
 
 def synthetic_weights(cfg: KimiConfig, seed: int = 0, device: str | torch.device = "cpu",
                       dtype: torch.dtype = torch.float32,
-                      expert_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                      expert_dtype: torch.dtype | None = None, shard=None) -> dict[str, torch.Tensor]:
     """Deterministic random weights as an internal state dict; A_log, dt_bias, e_score_correction_bias in
     fp32, the router weight in fp32 under a narrower `dtype`, the routed experts in `expert_dtype` when given,
     everything else in `dtype` (`checkpoint.storage_dtype`). See the module docstring for scales and
-    determinism."""
+    determinism.
+
+    `shard` (a `model.parallel.ExpertParallel`): only that rank's routed experts, in stacks of its experts alone.
+    Each expert's tensors have their own generators, so they get the values the whole model's stacks hold."""
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     check_expert_dtype(expert_dtype)
     device = torch.device(device)
-    slots, internal = layout(cfg)
+    slots, internal = layout(cfg) if shard is None else shard.layout(cfg)
     out = {n: torch.empty(shape, dtype=storage_dtype(n, dt, dtype, expert_dtype), device=device)
            for n, (shape, dt) in internal.items()}
     for name, s in slots.items():
@@ -211,37 +214,64 @@ def _sample(flat: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat[:SAMPLE], flat[SAMPLE:n - SAMPLE:step][:SAMPLE], flat[-SAMPLE:]])
 
 
-def fingerprint(state_dict: Mapping[str, torch.Tensor]) -> str:
+def sample_positions(n: int) -> torch.Tensor:
+    """The flat positions of the elements `_sample` takes from a tensor of n elements (int64, on the CPU): for a
+    tensor held in parts (`model.parallel`), whose sample is assembled from the parts."""
+    if n <= 3 * SAMPLE:
+        return torch.arange(n)
+    step = (n - 2 * SAMPLE) // SAMPLE
+    strided = torch.arange(SAMPLE, n - SAMPLE, step)[:SAMPLE]
+    return torch.cat([torch.arange(SAMPLE), strided, torch.arange(n - SAMPLE, n)])
+
+
+def bit_patterns(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as integers of the same width (their bit patterns), flat."""
+    return t.view(_INT_OF_SIZE[t.element_size()]).reshape(-1)
+
+
+def bit_sum(bits: torch.Tensor) -> torch.Tensor:
+    """The int64 sum of bit patterns, [1]; summed in slices: an int64 copy of a whole 2.4 GB expert stack would cost
+    9.7 GB of device memory."""
+    return sum(c.sum(dtype=torch.int64) for c in bits.split(1 << 24)).reshape(1)
+
+
+def tensor_digest(name: str, t: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """One tensor's part of `fingerprint`: (its shape, the int64 sum of its elements' bit patterns and then the raw
+    bytes of its sample, as uint8)."""
+    bits = bit_patterns(t)
+    return list(t.shape), torch.cat([bit_sum(bits).view(torch.uint8), _sample(bits).view(torch.uint8)])
+
+
+def fingerprint(state_dict: Mapping[str, torch.Tensor], digest=tensor_digest) -> str:
     """'sha256:<16 hex>' over every tensor's name, shape, dtype, the int64 sum of all its elements' bit
     patterns (any single changed element changes it) and the raw bytes of a sample (first/last 4096 elements and
     4096 strided). Computed on the tensors' device; one transfer to the host. Equal for equal state dicts,
-    whether loaded or synthesised, on any device."""
+    whether loaded or synthesised, on any device. `digest` (`tensor_digest`'s signature) gives the whole tensor's
+    shape and part for a tensor of which `state_dict` holds one rank's slice (`model.parallel`)."""
     h = hashlib.sha256()
     parts = []
     for name in sorted(state_dict):
         t = state_dict[name].detach()
-        h.update(f"{name}|{list(t.shape)}|{t.dtype}\n".encode())
-        bits = t.view(_INT_OF_SIZE[t.element_size()]).reshape(-1)
-        # summed in slices: an int64 copy of a whole 2.4 GB expert stack would cost 9.7 GB of device memory
-        total = sum(c.sum(dtype=torch.int64) for c in bits.split(1 << 24)).reshape(1)
-        parts.append(torch.cat([total.view(torch.uint8), _sample(bits).view(torch.uint8)]))
-        del t, bits  # before the next is read: `weights_id` hands over a cast made on reading
+        shape, part = digest(name, t)
+        h.update(f"{name}|{shape}|{t.dtype}\n".encode())
+        parts.append(part)
+        del t  # before the next is read: `weights_id` hands over a cast made on reading
     if parts:
         h.update(torch.cat([p.to(parts[0].device) for p in parts]).cpu().numpy().tobytes())
     return "sha256:" + h.hexdigest()[:16]
 
 
-def weights_id(state, cfg: KimiConfig) -> str:
+def weights_id(state, cfg: KimiConfig, digest=tensor_digest) -> str:
     """Fingerprint of `state` in the checkpoint's dtypes; the same for any upcast of the same weights.
 
     `state` may be ours or HF's (same names; HF's extra buffers are ignored). Weights bf16 cannot hold
-    exactly (e.g. fp32 draws) would collide with their rounding, so they are refused.
+    exactly (e.g. fp32 draws) would collide with their rounding, so they are refused. `digest`: see `fingerprint`.
     """
     kinds = internal_names(cfg)
     missing = sorted(set(kinds) - set(state))
     if missing:
         raise ValueError(f"state dict lacks {len(missing)} tensors of the config, e.g. {missing[:5]}")
-    return fingerprint(_AsStored(state, {n: dt for n, (_, dt) in kinds.items()}))
+    return fingerprint(_AsStored(state, {n: dt for n, (_, dt) in kinds.items()}), digest)
 
 
 class _AsStored(Mapping):
