@@ -43,6 +43,7 @@ import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -93,12 +94,12 @@ def config_module(module: str) -> str:
     return module if "." in module else f"model.triton.{module}"
 
 
-def changed_config(module: str, changes: dict) -> tuple[dict, dict]:
+def changed_config(module: str, changes: dict) -> tuple[Mapping, dict]:
     """(`<module>.CONFIG` (`config_module`), that CONFIG with `changes`, merged as `model.triton.launch_config` merges
     a sweep's overrides); an unknown module (ImportError) or key (KeyError) is an error, before anything runs."""
     name = config_module(module)
     cfg = getattr(importlib.import_module(name), "CONFIG", None)
-    if not isinstance(cfg, dict):
+    if not isinstance(cfg, (dict, mt.LaunchConfig)):
         raise KeyError(f"{name} has no CONFIG dict to vary")
     return cfg, mt.launch_config(f"{name}.CONFIG", cfg, _tuples(changes))
 
@@ -212,13 +213,18 @@ def calls_during(module: str, changes: dict, run) -> int | None:
 
 @contextlib.contextmanager
 def applied(module: str, changes: dict):
-    """`model.triton.<module>.CONFIG` with `changes` inside the block (`changed_config`), restored after it; for a
-    code arm ({"@": rev}), the module as it was at rev (`swapped`)."""
+    """`<module>.CONFIG` reading with `changes` inside the block (`changed_config`), as before it after: a kernel
+    module's through `model.triton.overrides` (nothing written), a dotted module's plain dict (`benchmarks.timing`)
+    changed and restored. For a code arm ({"@": rev}), the module as it was at rev (`swapped`)."""
     if is_code(changes):
         with swapped(module, changes[CODE]):
             yield
         return
     cfg, new = changed_config(module, changes)
+    if isinstance(cfg, mt.LaunchConfig):
+        with mt.overrides({cfg.key: _tuples(changes)}):
+            yield
+        return
     saved = dict(cfg)
     cfg.update(new)
     try:

@@ -10,6 +10,7 @@ from benchmarks.cli import ints
 from benchmarks.kernels import common, runner
 from benchmarks.kernels.registry import DEFAULT_OPS, REGISTRY, cases, studies
 from benchmarks.kernels.spec import Bench, Size, Sweep, resolve
+import model.triton as mt
 from model.triton import kda_decode
 from model.triton.kda_chunk import CONFIG
 
@@ -118,10 +119,10 @@ def test_kernel_records_carry_the_launch_config_they_ran(records_dir):
     step = runner.run_case(step_bench, 64, None, None, 1, device="cpu")
     assert chunk["params"]["cfg"] == CONFIG and step["params"]["cfg"] == kda_decode.DECODE
     assert (chunk["params"]["B"], chunk["params"]["T"], step["params"]["B"], step["params"]["T"]) == (1, 8192, 64, 1)
-    changed = dict(BV=32, num_warps=2, grid="adjacent")  # another default in force: the record follows it
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kda_decode, "DECODE", changed)
-        assert runner.run_case(step_bench, 64, None, None, 1, device="cpu")["params"]["cfg"] == changed
+    changed = dict(BV=32, num_warps=2, grid="adjacent")  # another config in force: the record follows it
+    with mt.overrides({"kda_decode.DECODE": changed}):
+        assert runner.run_case(step_bench, 64, None, None, 1, device="cpu")["params"]["cfg"] == {
+            **kda_decode.DECODE.defaults, **changed}
 
 
 def test_a_case_that_raises_is_an_invalid_record_and_the_run_goes_on(records_dir):

@@ -3,6 +3,7 @@ interpreter at small shapes with a fake clock. Shapes are patched on the bench m
 `benchmarks.kernels.common`."""
 import pytest
 
+import model.triton as mt
 from benchmarks.kernels import common, mla_absorb, mla_decode_layout, mla_decode_rows
 from model.triton import mla_decode as ml
 from records.store import load
@@ -46,8 +47,8 @@ def test_mla_rows_bench_plumbing(records_dir, fake_graph_ms, monkeypatch):
     for r in recs:
         assert (r["params"]["op"], r["params"]["split"], r["params"]["step"]) == ("mla_decode_rows", 128, 64)
         assert 0 < r["results"]["rel_err_vs_peer"] < 1e-5 and r["results"]["peer"] == "heads-rows"
-    monkeypatch.setattr(ml, "SHORT", dict(heads=2, BL=32))
-    assert mla_decode_rows.mla_rows_case(200, device="cpu") == []
+    with mt.overrides({"mla_decode.SHORT": dict(heads=2, BL=32)}):
+        assert mla_decode_rows.mla_rows_case(200, device="cpu") == []
     assert len(load(kinds="kernel", root=records_dir).records) == 2
 
 
@@ -62,16 +63,3 @@ def test_mla_absorb_sweep_plumbing(records_dir, fake_graph_ms, monkeypatch):
                                                                     ("o", "VALID"), ("o", "INVALID")]
     assert recs[0]["results"]["rel_err_vs_default"] < 1e-5 and "failed" in recs[1]["reasons"][0]
     assert (recs[2]["params"]["K"], recs[2]["params"]["N"]) == (32, 128)
-
-
-def test_launch_config_restores_the_module_values_also_when_the_block_raises():
-    """`common.launch_config`, the one place a benchmark swaps a kernel module's launch config: the override is in
-    force inside the block, and the old value is back after it, whether the block returns or raises."""
-    before = ml.SHORT
-    with common.launch_config(ml, SHORT=dict(heads=2, BL=32)):
-        assert ml.SHORT == dict(heads=2, BL=32)
-    assert ml.SHORT is before
-    with pytest.raises(RuntimeError):
-        with common.launch_config(ml, SHORT=dict(heads=1, BL=64)):
-            raise RuntimeError("a layout that fails")
-    assert ml.SHORT is before

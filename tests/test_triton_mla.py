@@ -161,7 +161,7 @@ def test_split_kernels_agree_and_rows_is_checked():
 
 def test_default_layout_groups_heads_only_for_short_buffers(monkeypatch):
     """At the H200's 132 SMs and 32 heads: SHORT's layout up to buffers whose grouped shortest splits fit on
-    the SMs at once, the standard one beyond (where it already fills them), and always with SHORT = None."""
+    the SMs at once, the standard one beyond (where it already fills them), and always with SHORT's heads None."""
     from model.triton import mla_decode as ml
     monkeypatch.setattr(ml, "_sms", lambda device: 132)
     cuda = torch.device("cuda")
@@ -170,8 +170,9 @@ def test_default_layout_groups_heads_only_for_short_buffers(monkeypatch):
     assert ml.default_layout(16384, 1, 32, cuda) == (128, 32)        # the standard layout: 128 programs
     assert ml.default_layout(131072, 1, 32, cuda) == (1024, 32)
     assert ml.default_layout(1056, 8, 32, cuda) == (ml.default_split(1056, 8, cuda), 32)
-    monkeypatch.setattr(ml, "SHORT", None)
-    assert ml.default_layout(1056, 1, 32, cuda) == (ml.MIN_SPLIT, 32)
+    with mt.overrides({"mla_decode.SHORT": dict(heads=None)}):
+        assert ml.default_layout(1056, 1, 32, cuda) == (ml.MIN_SPLIT, 32)
+    assert ml.default_layout(1056, 1, 32, cuda) == (64, 16)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

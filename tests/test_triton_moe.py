@@ -44,16 +44,11 @@ def poisoned_buffers():
 
 
 @contextlib.contextmanager
-def config(cfg: dict, **changes):
-    """A kernel module's CONFIG dict with some keys changed inside the block (hypothesis tests take no
-    function-scoped monkeypatch)."""
-    saved = dict(cfg)
-    cfg.update(changes)
-    try:
+def config(cfg, **changes):
+    """A kernel module's launch config with some keys changed inside the block, through the scoped override
+    (hypothesis tests take no function-scoped monkeypatch)."""
+    with mt.overrides({cfg.key: changes}):
         yield
-    finally:
-        cfg.clear()
-        cfg.update(saved)
 
 
 def same_routing(idx, w, ridx, rw, tol=1e-6):

@@ -304,18 +304,15 @@ def test_gpu_grouped_moe_real_shapes(N):
 @pytest.mark.parametrize("N", [17, 1024, 8192])
 @pytest.mark.parametrize("use", [("down",), ("gate_up", "down")])
 @pytest.mark.parametrize("loads", [dict(), dict(tma=True), dict(tma=True, persistent=True)])
-def test_gpu_triton_grouped_kernels_match_torchs(N, use, loads, monkeypatch):
+def test_gpu_triton_grouped_kernels_match_torchs(N, use, loads):
     """moe_grouped's kernels in place of torch's grouped GEMMs (CONFIG use) at the 48B's shapes, against the torch
     form: both accumulate each output tile in fp32 on the tensor cores over the same k blocks and round once (the
     benchmark's check reads a relative error of 0 at 8192 and 32768 tokens); tiles loaded per thread or by TMA,
     a program a tile or persistent."""
-    from model.triton import moe_grouped
     x, idx, w, gate_up, down, shared = moe_48b(N)
-    monkeypatch.setitem(moe_grouped.CONFIG, "use", ())
-    ref = ops.moe_experts(x, idx, w, gate_up, down, shared)
-    monkeypatch.setitem(moe_grouped.CONFIG, "use", use)
-    for kernel in ("gate_up", "down"):
-        monkeypatch.setitem(moe_grouped.CONFIG, kernel, {**moe_grouped.CONFIG[kernel], **loads})
-    y = ops.moe_experts(x, idx, w, gate_up, down, shared)
+    with mt.overrides({"moe_grouped.CONFIG": dict(use=())}):
+        ref = ops.moe_experts(x, idx, w, gate_up, down, shared)
+    with mt.overrides({"moe_grouped.CONFIG": dict(use=use, gate_up=loads, down=loads)}):
+        y = ops.moe_experts(x, idx, w, gate_up, down, shared)
     assert torch.isfinite(y).all() and rel_err(y, ref) < 1e-3
 

@@ -86,8 +86,9 @@ def chunk_sweep(T: int, rep_ms: int, device: str = "cuda", keys: set[str] | None
 
 
 def _params() -> dict:
+    import model.triton as mt
     from model.triton.kda_chunk import CONFIG
-    return dict(cfg=dict(CONFIG))
+    return dict(cfg=mt.plain(CONFIG))
 
 
 BENCH = Bench(

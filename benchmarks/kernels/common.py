@@ -1,18 +1,20 @@
 """What the kernel benchmarks share: the 48B-A3B's KDA layer shapes, fla as the peer, the clocks (`gpu_ms`,
-`eager_ms`, `graph_ms`, `kernel_ms`), the judging of ours against a peer, the `kernel` record, the launch-config
-sweep and the one place where a sweep swaps a kernel module's launch config.
+`eager_ms`, `graph_ms`, `kernel_ms`), the judging of ours against a peer, the `kernel` record and the launch-config
+sweep. A bench that cannot hand a kernel its `cfg` changes a kernel module's launch config inside
+`model.triton.overrides`; none writes it.
 
 The benchmark modules call the clocks and GRAPH_LAYERS through this module (`common.gpu_ms(...)`), so that a test's
 fake clock reaches every caller, `time_peer` and `sweep` included.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import traceback
+from collections.abc import Mapping
 
 import torch
 
+import model.triton as mt
 from benchmarks.kernels.spec import Size
 from benchmarks.timing import log
 
@@ -151,7 +153,7 @@ def fmt_ms(ms) -> str:
     return "-" if ms is None else f"{ms:.4f}"
 
 
-def sweep(name: str, configs: list[dict], default: dict, run, timed, tol: float, params: dict,
+def sweep(name: str, configs: list[dict], default: Mapping, run, timed, tol: float, params: dict,
           device: str, keys: set[str] | None = None) -> list[dict]:
     """One record per config (params with `sweep` and the whole config): its outputs `run(cfg)` held against the
     default's `run(None)` by relative RMS error, the worst of them, then `timed(cfg)`. A config that fails to compile
@@ -171,7 +173,7 @@ def sweep(name: str, configs: list[dict], default: dict, run, timed, tol: float,
         except Exception as e:  # a config that fails to compile or run is recorded and skipped
             traceback.print_exc()
             results, reasons = {}, [f"{cfg} failed: {type(e).__name__}: {e}"]
-        rec = kernel_record({**params, "sweep": True, "cfg": {**default, **cfg}}, results, reasons, device)
+        rec = kernel_record({**params, "sweep": True, "cfg": {**mt.plain(default), **cfg}}, results, reasons, device)
         recs.append(rec)
         log(f"  {name} {cfg}  ours={fmt_ms(results.get('ours_ms'))} ({results.get('timing', '-')})  {rec['verdict']}")
         if not reasons and (best is None or results["ours_ms"] < best[1]):
@@ -179,18 +181,3 @@ def sweep(name: str, configs: list[dict], default: dict, run, timed, tol: float,
     if best is not None:
         log(f"  best {name}: {best[0]} {best[1]:.4f} ms")
     return recs
-
-
-@contextlib.contextmanager
-def launch_config(module, **overrides):
-    """Set module-level launch configs of a kernel module (`launch_config(mla_decode, SHORT=...)`) for the block,
-    then put the old values back, also when the block raises. Kernels that read such a global at launch see the
-    override; the one place a benchmark changes a kernel module's state."""
-    saved = {name: getattr(module, name) for name in overrides}
-    for name, value in overrides.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)

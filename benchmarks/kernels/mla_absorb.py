@@ -39,7 +39,7 @@ def mla_absorb_sweep(device: str = "cuda") -> list[dict]:
     shapes = absorb_inputs(device)
     recs = []
     for name, (x, layer_ws) in shapes.items():
-        ref, default = ml.mla_absorb(x, layer_ws[0]), ml.absorb_config(x.shape[-1])
+        ref, default = ml.mla_absorb(x, layer_ws[0]), dict(ml.absorb_config(x.shape[-1]))
         peer_ms = common.graph_ms([lambda w=w: ml.mla_absorb(x, w) for w in layer_ws])
         best = None
         for cfg in ABSORB_SWEEP:

@@ -23,6 +23,7 @@ def layer_inputs(T: int, device: str = "cuda") -> tuple:
 
 def mla_layout_case(T: int, device: str = "cuda") -> list[dict]:
     """mla_decode in default_layout for each SHORT of MLA_SHORTS against the all-heads layout, graph-timed."""
+    import model.triton as mt
     from model import ops
     from model.triton import mla_decode as ml
     q_lat, q_pe, caches, pos, scale = layer_inputs(T, device)
@@ -32,7 +33,7 @@ def mla_layout_case(T: int, device: str = "cuda") -> list[dict]:
     ref = ops.mla_decode_attention_torch(q_lat, q_pe, c, k_pe, pos, scale)
     recs, peer_ms = [], None
     for short in MLA_SHORTS:
-        with common.launch_config(ml, SHORT=short):
+        with mt.overrides({"mla_decode.SHORT": short}):
             layout = ml.default_layout(T, 1, MLA_H, dev)
             params = {"op": "mla_decode_layout", "B": 1, "T": T, "H": MLA_H, "d": MLA_R + MLA_P,
                       "dtype": "bfloat16", "short": short, "split": layout[0], "heads": layout[1],

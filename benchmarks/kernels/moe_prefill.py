@@ -72,6 +72,7 @@ def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     torch's grouped GEMM, silu_mul, grouped GEMM). The sort and the combine, common to both, are left out. The
     sweep times each kernel alone: gate_up (+ dispatch + silu_mul in the torch form) and down."""
     from model import ops
+    import model.triton as mt
     from model.triton import moe_grouped as mg
     x, gate_up, down, router, desc = moe_prefill_inputs(T)
     order, offs = ops.sort_by_expert(router(x)[0], E)
@@ -94,7 +95,7 @@ def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
            "peer_ms": common.gpu_ms(lambda: torch_down(torch_gate_up()), rep_ms),
            "peer_gate_up_ms": common.gpu_ms(torch_gate_up, rep_ms), "peer_down_ms": common.gpu_ms(torch_down, rep_ms),
            "rel_err_vs_peer": rel_err(fused(), ref), "peer": f"torch-{torch.__version__} grouped_mm",
-           "router": desc, "cfg": {k: v for k, v in mg.CONFIG.items() if k != "use"},
+           "router": desc, "cfg": {k: v for k, v in mt.plain(mg.CONFIG).items() if k != "use"},
            "sweep": []}
     for kernel, cfg in sweep_configs():
         if kernel == "gate_up":

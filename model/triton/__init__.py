@@ -2,6 +2,15 @@
 and held to it by tests/test_triton_*.py; design notes in docs/kernels.md. Triton compiles them (CUDA) or interprets
 them (CPU) by TRITON_INTERPRET as it stands when a kernel module is first imported.
 """
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import sys
+import types
+from collections.abc import Iterator, Mapping
+
 import torch
 
 
@@ -45,20 +54,101 @@ class UnknownConfigKeys(ValueError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+def frozen(values: Mapping) -> Mapping:
+    """A read-only copy of a launch config, its nested configs too."""
+    return types.MappingProxyType({k: frozen(v) if isinstance(v, Mapping) else v for k, v in values.items()})
+
+
+def plain(values: Mapping) -> dict:
+    """A launch config as plain dicts, its nested configs too (what a JSON record holds)."""
+    return {k: plain(v) if isinstance(v, Mapping) else v for k, v in values.items()}
+
+
+# The launch configs changed in this context by `overrides`: "module.NAME" -> the whole config as it reads there.
+# A ContextVar, so a change is seen by this thread (or task) alone and undone exactly by the block that made it.
+_scoped: contextvars.ContextVar[Mapping[str, Mapping]] = contextvars.ContextVar(
+    "launch_config_overrides", default=types.MappingProxyType({}))
+
+
+class LaunchConfig(Mapping):
+    """A kernel module's launch config, `key` its "module.NAME" in this package: a read-only mapping that reads as its
+    defaults, or as an enclosing `overrides` block changed them. Kernels take a `cfg` argument for a change of one
+    call; nothing writes the module's config."""
+    __slots__ = ("key", "defaults")
+
+    def __init__(self, key: str, **defaults) -> None:
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "defaults", frozen(defaults))
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"launch config {self.key} is read-only: pass cfg= to the kernel, or change it inside "
+                             f"model.triton.overrides")
+
+    def __setitem__(self, k, value) -> None:
+        raise TypeError(f"launch config {self.key} is read-only: pass cfg= to the kernel, or change it inside "
+                        f"model.triton.overrides")
+
+    def __delitem__(self, k) -> None:
+        self.__setitem__(k, None)
+
+    def current(self) -> Mapping:
+        return _scoped.get().get(self.key, self.defaults)
+
+    def __getitem__(self, k):
+        return self.current()[k]
+
+    def __iter__(self) -> Iterator:
+        return iter(self.current())
+
+    def __len__(self) -> int:
+        return len(self.current())
+
+    def __repr__(self) -> str:
+        return f"LaunchConfig({self.key!r}, {plain(self.current())})"
+
+
+class _KernelModule(types.ModuleType):
+    """A kernel module whose `LaunchConfig` globals cannot be rebound or deleted from outside it."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(self.__dict__.get(name), LaunchConfig):
+            raise AttributeError(f"{self.__name__}.{name} is a launch config: pass cfg= to the kernel, or change it "
+                                 f"inside model.triton.overrides")
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if isinstance(self.__dict__.get(name), LaunchConfig):
+            raise AttributeError(f"{self.__name__}.{name} is a launch config and cannot be deleted")
+        super().__delattr__(name)
+
+
+def seal(module_name: str) -> None:
+    """The last line of a kernel module: its launch configs can no longer be rebound from outside. A copy loaded under
+    another name and not in sys.modules (`benchmarks.bench_ab`'s code arms) stays as it is."""
+    mod = sys.modules.get(module_name)
+    if mod is not None:
+        mod.__class__ = _KernelModule
+
+
 def _kind(v) -> str:
     """What an override must match its default in: a count is no flag, a name no count ("eight" for 8)."""
     if isinstance(v, bool):
         return "true/false"
     if isinstance(v, (int, float)):
         return "a number"
-    return {str: "a name", tuple: "a list", list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
+    if isinstance(v, Mapping):
+        return "an object"
+    return {str: "a name", tuple: "a list", list: "a list"}.get(type(v), type(v).__name__)
 
 
-def launch_config(name: str, defaults: dict, cfg: dict | None) -> dict:
-    """A kernel's launch config: its module's defaults with `cfg`'s overrides (a sweep's, an A/B's); a dict default
-    takes an override's keys one by one. An unknown key, or a value of another kind than its default's (None
-    matches anything), is an error, not a silent no-op."""
-    def check(where: str, defaults: dict, cfg: dict) -> None:
+def launch_config(name: str, defaults: Mapping, cfg: Mapping | None) -> dict:
+    """A kernel's launch config as a plain dict: `defaults` (a `LaunchConfig` reads as the enclosing `overrides` set
+    it) with `cfg`'s overrides (a sweep's, an A/B's), which win; a nested config takes an override's keys one by one.
+    An unknown key, or a value of another kind than its default's (None matches anything), is an error, not a silent
+    no-op."""
+    def check(where: str, defaults: dict, cfg: Mapping) -> None:
+        if not isinstance(cfg, Mapping):
+            raise UnknownConfigKeys(f"{where}: overrides must be an object of keys to change, got {cfg!r}")
         unknown = sorted(set(cfg) - set(defaults))
         if unknown:
             raise UnknownConfigKeys(f"{where}: unknown cfg keys {unknown}; its keys: {sorted(defaults)}")
@@ -66,14 +156,49 @@ def launch_config(name: str, defaults: dict, cfg: dict | None) -> dict:
             if defaults[k] is not None and v is not None and _kind(v) != _kind(defaults[k]):
                 raise UnknownConfigKeys(f"{where}: {k!r} must be {_kind(defaults[k])} as its default "
                                         f"{defaults[k]!r} is, got {v!r}")
+    base = plain(defaults.current() if isinstance(defaults, LaunchConfig) else defaults)
     cfg = cfg or {}
-    check(name, defaults, cfg)
-    out = {**defaults, **cfg}
+    check(name, base, cfg)
+    out = {**base, **cfg}
     for k, v in cfg.items():
-        if isinstance(defaults[k], dict) and isinstance(v, dict):
-            check(f"{name}[{k!r}]", defaults[k], v)
-            out[k] = {**defaults[k], **v}
+        if isinstance(base[k], dict) and isinstance(v, Mapping):
+            check(f"{name}[{k!r}]", base[k], v)
+            out[k] = {**base[k], **v}
     return out
+
+
+def _named(key: str) -> LaunchConfig:
+    """The launch config "module.NAME" of this package's kernel modules, or UnknownConfigKeys."""
+    module, _, attr = key.rpartition(".")
+    full = f"{__name__}.{module}"
+    mod = None
+    if module:
+        try:
+            mod = importlib.import_module(full)
+        except ModuleNotFoundError as e:
+            if e.name != full:
+                raise
+    cfg = getattr(mod, attr, None)
+    if not isinstance(cfg, LaunchConfig) or cfg.key != key:
+        raise UnknownConfigKeys(f"overrides: {key!r} names no launch config of {__name__} (a kernel module's "
+                                f"'module.NAME', e.g. 'kda_chunk.CONFIG')")
+    return cfg
+
+
+@contextlib.contextmanager
+def overrides(changes: Mapping[str, Mapping]) -> Iterator[None]:
+    """Inside the block, in this thread or task, each launch config named ("module.NAME": its keys to change, a nested
+    config's changed key by key) reads as changed, for every kernel launched, a CUDA graph captured or a model run
+    there; on leaving, also by an exception, it reads as before. A kernel's `cfg` argument still wins. Checked as
+    `launch_config` checks a cfg, before the block runs; blocks nest, the inner changing the outer's config."""
+    scoped = dict(_scoped.get())
+    for key, cfg in changes.items():
+        scoped[key] = frozen(launch_config(key, _named(key), cfg))
+    token = _scoped.set(types.MappingProxyType(scoped))
+    try:
+        yield
+    finally:
+        _scoped.reset(token)
 
 
 def compiled(kernel) -> bool:

@@ -16,7 +16,7 @@ from model.kda import carried_taps
 
 # Launch config: rows and channels per program, rows per loop step (BT a multiple of it), warps: the fastest tile at
 # 8192 x 12288 bf16 on the H200 (docs/kernels.md#conv).
-CONFIG = dict(BT=32, BC=512, STEP=4, num_warps=4)
+CONFIG = mt.LaunchConfig("conv.CONFIG", BT=32, BC=512, STEP=4, num_warps=4)
 
 
 @triton.jit
@@ -94,3 +94,6 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor | No
             x, taps, weight, y, T, C, x.stride(0), x.stride(1), W=W, HAS_TAPS=taps is not None, BT=BT, BC=BC,
             STEP=c["STEP"], LIBDEVICE=x.is_cuda, num_warps=c["num_warps"])
     return y, carried_taps(x, taps, W)  # the last W-1 inputs, carried to the next call: tiny, so torch
+
+
+mt.seal(__name__)

@@ -16,8 +16,9 @@ from model.triton.common import rounded
 # Launch config: chunks of 16 on a one-warp prep kernel were fastest at 8k tokens on the H200
 # (docs/kernels.md#kda-chunk-launch-config). `exact`: the keys fp32 inputs take instead, as Triton 3.6 builds their
 # tf32x3 dots at chunks of 16 on one warp wrong for sm_90 (test_gpu_chunk_fp32_fault_at_chunks_of_16 watches it).
-CONFIG = dict(chunk=16, slice=64, prep_warps=1, scan_bv=32, scan_warps=4, prep_dots="bf16", scan_dots="bf16",
-              prep_stages=3, prep_maxnreg=None, scan_stages=3, exact=dict(chunk=32, prep_warps=2))
+CONFIG = mt.LaunchConfig("kda_chunk.CONFIG", chunk=16, slice=64, prep_warps=1, scan_bv=32, scan_warps=4,
+                         prep_dots="bf16", scan_dots="bf16", prep_stages=3, prep_maxnreg=None, scan_stages=3,
+                         exact=dict(chunk=32, prep_warps=2))
 
 
 @triton.jit
@@ -310,3 +311,6 @@ def chunk_kda_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
                                           COMPILED=mt.compiled(_kda_chunk_scan_kernel), STAGES=c["scan_stages"],
                                           num_warps=c["scan_warps"])
     return o, ht
+
+
+mt.seal(__name__)

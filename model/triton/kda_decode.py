@@ -16,7 +16,7 @@ from model.triton.common import rms_normalize, softplus
 
 # Launch config (state columns per program, warps, grid, o from the state before the update). BV = D: fastest at
 # batch 1, 8 and 64 on the H200 in CUDA-graph-timed sweeps; see docs/kernels.md#kda-decode-launch-config.
-DECODE = dict(BV=128, num_warps=4, grid="strided", early_o=False)
+DECODE = mt.LaunchConfig("kda_decode.DECODE", BV=128, num_warps=4, grid="strided", early_o=False)
 # "strided": a head's blocks B*H programs apart; "adjacent": a head's blocks on consecutive programs (fla's order)
 GRIDS = ("strided", "adjacent")
 
@@ -261,3 +261,6 @@ def fused_kda_decode(qkv_raw, conv_taps, conv_weight, f, A_log, dt_bias, b_raw, 
         b_raw.stride(0), 0 if out_gate is None else out_gate.stride(0), **meta, ADJACENT=adjacent,
         EARLY_O=bool(c["early_o"]))
     return o
+
+
+mt.seal(__name__)

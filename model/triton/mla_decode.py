@@ -22,8 +22,9 @@ from model.triton.common import rms_normalize
 _BL = 64
 _WARPS = 8
 # Short buffers: `heads` heads a program and steps of `BL` positions, where the standard layout's shortest splits
-# with the heads grouped fit on the SMs (docs/kernels.md#mla-decode-short-layout). None: the standard layout always.
-SHORT: dict | None = dict(heads=16, BL=32)
+# with the heads grouped fit on the SMs (docs/kernels.md#mla-decode-short-layout). heads None: the standard layout
+# always.
+SHORT = mt.LaunchConfig("mla_decode.SHORT", heads=16, BL=32)
 # An fp32 cache's IEEE dots of fp32 tiles: at 64 positions they would need 377 KB of shared memory (sm_90: 227 KB)
 _BL_FP32 = 16
 
@@ -232,18 +233,19 @@ def default_layout(L: int, B: int, H: int, device: torch.device) -> tuple[int, i
     """(positions per split, heads per program) for a buffer of L positions: the standard layout, or SHORT's where its
     shortest splits with the heads grouped fit on the SMs at once (splits of at least two of SHORT's BL)."""
     sms = _sms(device)
-    if SHORT is not None and SHORT["heads"] < H:
-        groups = triton.cdiv(H, SHORT["heads"])
+    short = mt.launch_config("mla_decode.SHORT", SHORT, None)
+    if short["heads"] is not None and short["heads"] < H:
+        groups = triton.cdiv(H, short["heads"])
         if B * groups * triton.cdiv(L, MIN_SPLIT) <= sms:
-            bl = SHORT["BL"]
-            return max(2 * bl, bl * triton.cdiv(triton.cdiv(L, max(1, sms // (B * groups))), bl)), SHORT["heads"]
+            bl = short["BL"]
+            return max(2 * bl, bl * triton.cdiv(triton.cdiv(L, max(1, sms // (B * groups))), bl)), short["heads"]
     return default_split(L, B, device), H
 
 
 # The split kernel of a bf16 cache at steps of _BL: "heads" or "positions" (the products' rows) over
 # `positions_warps` warps; else "heads". "positions" on 4 warps: faster on the H200 at 32k and 128k, the same Gate
 # B tokens (docs/kernels.md#mla-decode-rows).
-CONFIG = dict(rows="positions", positions_warps=4)
+CONFIG = mt.LaunchConfig("mla_decode.CONFIG", rows="positions", positions_warps=4)
 ROWS = ("heads", "positions")
 _POSITIONS_STAGES = 2  # three stages would need 303 KB of shared memory
 
@@ -264,7 +266,8 @@ def plan(L: int, B: int, H: int, dtype: torch.dtype, device: torch.device, split
             raise ValueError("mla_decode: heads per program needs its split")
         split, heads = default_layout(L, B, H, device)
     heads = H if heads is None else min(heads, H)
-    unit = SHORT["BL"] if heads < H and SHORT is not None else _BL   # positions per loop step (bf16)
+    short = mt.launch_config("mla_decode.SHORT", SHORT, None)
+    unit = short["BL"] if heads < H and short["heads"] is not None else _BL   # positions per loop step (bf16)
     if heads < 1 or split % unit or split < 2 * unit:
         raise ValueError(f"mla_decode: split must be a multiple of {unit} and >= {2 * unit} at {heads} heads a "
                          f"program, got {split}")
@@ -369,11 +372,11 @@ def _mla_absorb_kernel(x, w, out, B, s_xb, s_xh, s_wh, s_wk, s_wn,
 
 # Tiles of w per program and step, by the reduced dim K: the fastest graph-timed at batch 1 on the H200 for
 # q_nope @ W_uk (K=128) and o_lat @ W_uv^T (K=512) (docs/kernels.md#mla-absorb-tiles).
-ABSORB = dict(BN=64, BK=64, num_warps=4)
-ABSORB_LONG_K = dict(BN=32, BK=128, num_warps=2)  # K >= 256
+ABSORB = mt.LaunchConfig("mla_decode.ABSORB", BN=64, BK=64, num_warps=4)
+ABSORB_LONG_K = mt.LaunchConfig("mla_decode.ABSORB_LONG_K", BN=32, BK=128, num_warps=2)  # K >= 256
 
 
-def absorb_config(K: int) -> dict:
+def absorb_config(K: int) -> mt.LaunchConfig:
     return ABSORB_LONG_K if K >= 256 else ABSORB
 
 
@@ -392,3 +395,6 @@ def mla_absorb(x, w, cfg: dict | None = None):
                                               BF16=w.dtype == torch.bfloat16, MMA=mt.compiled(_mla_absorb_kernel),
                                               num_warps=c["num_warps"])
     return out
+
+
+mt.seal(__name__)

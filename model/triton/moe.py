@@ -18,9 +18,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Launch defaults for batch-1 decode of the 48B model: the fastest in a CUDA graph over 32 layers' weights, cold from
 # HBM (docs/kernels.md#moe-launch-config). No tl.dot, so the bytes in flight are a step's tile times programs per SM.
-GATE_UP = dict(BLOCK_I=16, BLOCK_D=256, num_warps=8)
-DOWN = dict(BLOCK_D=1, BLOCK_I=1024, num_warps=4)
-ROUTER = dict(BLOCK_E=1, num_warps=4)
+GATE_UP = mt.LaunchConfig("moe.GATE_UP", BLOCK_I=16, BLOCK_D=256, num_warps=8)
+DOWN = mt.LaunchConfig("moe.DOWN", BLOCK_D=1, BLOCK_I=1024, num_warps=4)
+ROUTER = mt.LaunchConfig("moe.ROUTER", BLOCK_E=1, num_warps=4)
 ROUTER_LOGITS = 1 << 16  # the router's logits buffer (see fused_router): tokens x experts
 
 
@@ -330,3 +330,6 @@ def fused_moe_decode(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.T
     x = x.contiguous()
     idx, w = fused_router(x, router_weight, bias, k, scaling, renorm, early=early)
     return fused_moe_small_batch(x, idx, w, gate_up, down, shared, early=early)
+
+
+mt.seal(__name__)

@@ -10,7 +10,7 @@ import triton.language as tl
 
 import model.triton as mt
 
-DISPATCH = dict(BR=8, BD=256, num_warps=4)  # rows per program, columns per load
+DISPATCH = mt.LaunchConfig("moe_dispatch.DISPATCH", BR=8, BD=256, num_warps=4)  # rows per program, columns per load
 
 
 @triton.jit
@@ -35,8 +35,11 @@ def moe_dispatch(x: torch.Tensor, order: torch.Tensor, K: int) -> torch.Tensor:
     M, D = order.numel(), x.shape[1]
     y = mt.empty(M, D, dtype=x.dtype, device=x.device)
     if M * D:
-        c = DISPATCH
+        c = mt.launch_config("moe_dispatch", DISPATCH, None)
         BD = min(c["BD"], triton.next_power_of_2(D))
         _moe_dispatch_kernel[(triton.cdiv(M, c["BR"]),)](x, order, y, M, K=K, D=D, BR=c["BR"], BD=BD,
                                                           num_warps=c["num_warps"])
     return y
+
+
+mt.seal(__name__)

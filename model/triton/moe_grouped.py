@@ -18,9 +18,9 @@ from model.triton.common import rounded, silu_f32
 # Launch config: the kernels the model uses ("gate_up", "down"), the program order (`_program_tile`), and per
 # kernel its tiles (BM may differ), warps, `tma` (tiles through the tensor-copy engine) and `persistent` (one
 # program an SM, looping over tiles).
-CONFIG = dict(use=(), n_fastest=True,
-              gate_up=dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3, tma=False, persistent=False),
-              down=dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, tma=False, persistent=False))
+CONFIG = mt.LaunchConfig("moe_grouped.CONFIG", use=(), n_fastest=True,
+                         gate_up=dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3, tma=False, persistent=False),
+                         down=dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, tma=False, persistent=False))
 
 
 @triton.jit
@@ -241,3 +241,6 @@ def experts(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: t
                          f"{tuple(offs.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down_w.shape)} do not "
                          f"fit K={K}")
     return down(gate_up_silu(x, order, offs, gate_up, K, cfg), offs, down_w, cfg)
+
+
+mt.seal(__name__)
