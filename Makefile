@@ -34,7 +34,8 @@ GATE_FLAGS = $(if $(PRESET),--preset $(PRESET)) $(if $(MODEL),--model $(MODEL)) 
   $(if $(DEVICE),--device $(DEVICE)) $(if $(NEW_TOKENS),--new-tokens $(NEW_TOKENS)) \
   $(if $(FLOOR_GIB),--floor-gib $(FLOOR_GIB)) $(if $(SEED),--seed $(SEED)) $(if $(KERNELS),--kernels $(KERNELS))
 
-.PHONY: setup test test-slow test-gpu gate-a gate-b gate-memory golden bench bench-kernels decompose report nightly clean
+.PHONY: setup test test-slow test-gpu gate-a gate-b gate-memory golden bench bench-kernels decompose report nightly \
+  train-reference clean
 
 setup: $(SETUP)
 
@@ -87,6 +88,16 @@ report: $(SETUP)
 
 nightly: $(SETUP)
 	$(PY) -m reports.nightly $(if $(PRESET),--preset $(PRESET)) $(if $(STEPS),--steps $(STEPS))
+
+# The suite's small trained reference checkpoint (every block kind of the 48B model; trained on the Python standard
+# library's source): REFERENCE_OUT its folder, new or empty; DEVICE, SEED as above; TRAIN_FLAGS more options of
+# `python -m model.train --help`, e.g. `--steps 2000`, `--time-limit 300` (fewer steps if they would not fit) or
+# `--quick` (a toy run: seconds on a GPU, about a minute on a CPU).
+REFERENCE_OUT ?= out/reference
+TRAIN_FLAGS ?=
+train-reference: $(SETUP)
+	$(PY) -m model.train --out $(REFERENCE_OUT) $(if $(DEVICE),--device $(DEVICE)) $(if $(SEED),--seed $(SEED)) \
+	  $(TRAIN_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

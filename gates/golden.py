@@ -43,7 +43,6 @@ from model.weights import synthetic_weights, weights_id
 from records.store import provenance
 
 from .compare import NEAR_TIE_TOP
-from .prompts import PROMPTS
 from .run import DEFAULT_TOPK, DEVICES, DTYPES, MAX_NEW_TOKENS, SOURCES, Options, Subject, battery_for
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "goldens"
@@ -280,7 +279,7 @@ def make_golden(opts: Options, subject: Subject | None = None) -> dict:
         "weights": wid, "dtype": opts.dtype, "device": opts.device, "source": opts.source,
         "new_tokens": opts.new_tokens, "topk": DEFAULT_TOPK, "prompt_ids_source": b.source,
         "prompts": [{"text": text, "ids": g.prompt, "expected": g.tokens, "topk_ids": g.topk_ids,
-                     "topk_logprobs": g.topk_logprobs} for text, g in zip(PROMPTS, gens)],
+                     "topk_logprobs": g.topk_logprobs} for text, g in zip(b.texts, gens)],
         "md5": ids_md5([g.tokens for g in gens]),
         "provenance": {
             "implementation": implementation, "dtype": str(opts.torch_dtype).removeprefix("torch."),

@@ -5,6 +5,10 @@ own, chosen to differ in kind so that a state-carry bug has many ways to show: c
 question, numbers, a dialogue, multilingual text (Han runs, accents, Cyrillic: other pre-tokenizer paths
 and multi-byte UTF-8), and repetition (a long self-similar context stresses the recurrent state).
 
+A checkpoint may carry its own battery, suited to what it was trained on: `prompts.json` in its folder,
+`{"prompts": [text, ...]}` (the suite's reference checkpoint carries `PYTHON_PROMPTS`). It is read as any other
+checkpoint file is (size-capped, strict JSON, no link out of the folder) and checked before use.
+
 Text becomes ids one of two ways:
 - a checkpoint directory with a `tiktoken.model`: Kimi's tokenizer (`gates.tokenizer`), BOS first; a
   `tiktoken.model` in any form (a dangling link, a link out of the directory, a folder, a fifo) counts, so one
@@ -19,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.config import KimiConfig
+from model.config import KimiConfig, parse_json, read_file
 
 from .tokenizer import TOKENIZER_FILE, KimiTokenizer
 
@@ -42,7 +46,46 @@ PROMPTS: tuple[str, ...] = (
     "one two three one two three one two three one two three one two three one two three one two",
 )
 
+# The battery of a model trained on Python source (the reference checkpoint): eight openings of different kinds,
+# each of which a trained model continues with confidence: a signature, a class body, imports, a docstring, a loop,
+# exception handling, a dict literal, a decorated method.
+PYTHON_PROMPTS: tuple[str, ...] = (
+    "def read_lines(path):\n    with open(path, encoding=\"utf-8\") as f:\n        return",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n",
+    "import os\nimport sys\nimport re\n\n__all__ = [",
+    "def split(s, sep=None, maxsplit=-1):\n    \"\"\"Return a list of the words in the string, using sep as the",
+    "    for i in range(len(items)):\n        if items[i] is None:\n",
+    "    try:\n        value = int(text)\n    except ValueError:\n        raise",
+    "_defaults = {\n    'encoding': 'utf-8',\n    'errors': 'strict',\n",
+    "    @property\n    def name(self):\n        \"\"\"The name of the file.\"\"\"\n        return",
+)
+
 DEFAULT_NEW_TOKENS = 16
+PROMPTS_FILE = "prompts.json"
+MAX_PROMPTS_BYTES = 1 << 16
+MAX_BATTERY, MAX_PROMPT_CHARS = 64, 4096
+
+
+class PromptsError(ValueError):
+    """A checkpoint's prompts.json that is no usable battery; the message names the file and the fault."""
+
+
+def read_prompts(model_dir: str | Path) -> tuple[str, ...] | None:
+    """The battery a checkpoint folder carries in prompts.json, None where it has none. A prompts.json in any form
+    (a link, a folder) counts, so one that is no usable file is refused by name rather than passed over."""
+    file = Path(model_dir) / PROMPTS_FILE
+    if not os.path.lexists(file):
+        return None
+    data = parse_json(file, read_file(file, MAX_PROMPTS_BYTES, PromptsError, folder=model_dir), PromptsError)
+    texts = data.get("prompts") if isinstance(data, dict) else None
+    if (not isinstance(texts, list) or not 1 <= len(texts) <= MAX_BATTERY
+            or not all(isinstance(t, str) and 0 < len(t) <= MAX_PROMPT_CHARS for t in texts)):
+        raise PromptsError(f"{file}: expected {{\"prompts\": [...]}} with 1..{MAX_BATTERY} non-empty texts of at "
+                           f"most {MAX_PROMPT_CHARS} characters")
+    unknown = sorted(set(data) - {"prompts"})
+    if unknown:
+        raise PromptsError(f"{file}: unknown keys {unknown}; expected only \"prompts\"")
+    return tuple(texts)
 
 # Synthetic mapping: id = (byte * MULTIPLIER + SALT) % n_ordinary. 131 is prime, so the map is one-to-one on
 # the 256 byte values whenever n_ordinary >= 256 and is not a multiple of 131 (tiny: 500; 48b-a3b: 163584).
@@ -69,12 +112,19 @@ def synthetic_ids(text: str, cfg: KimiConfig) -> list[int]:
 @dataclass(frozen=True)
 class Battery:
     ids: list[list[int]]
-    source: str  # 'synthetic-bytes' or 'tiktoken:<path>'
+    source: str  # 'synthetic-bytes' or 'tiktoken:<path>', with '; prompts:<path>' for a checkpoint's own battery
+    texts: tuple[str, ...] = PROMPTS
 
 
-def battery(cfg: KimiConfig, model_dir: str | Path | None = None, prompts=PROMPTS) -> Battery:
-    """The prompts as ids for this model: with the checkpoint's tokenizer when it has one."""
+def battery(cfg: KimiConfig, model_dir: str | Path | None = None, prompts=None) -> Battery:
+    """The prompts as ids for this model: `prompts`, else the checkpoint's own battery (prompts.json), else
+    PROMPTS; with the checkpoint's tokenizer when it has one."""
+    source = ""
+    if prompts is None and model_dir is not None:
+        prompts = read_prompts(model_dir)
+        source = "" if prompts is None else f"; prompts:{Path(model_dir) / PROMPTS_FILE}"
+    prompts = tuple(PROMPTS if prompts is None else prompts)
     if model_dir is not None and os.path.lexists(Path(model_dir) / TOKENIZER_FILE):
         tok = KimiTokenizer(Path(model_dir), cfg.vocab_size, cfg.bos_token_id)  # the folder: its file must lie in it
-        return Battery([tok.encode(p) for p in prompts], f"tiktoken:{tok.path}")
-    return Battery([synthetic_ids(p, cfg) for p in prompts], "synthetic-bytes")
+        return Battery([tok.encode(p) for p in prompts], f"tiktoken:{tok.path}{source}", prompts)
+    return Battery([synthetic_ids(p, cfg) for p in prompts], f"synthetic-bytes{source}", prompts)
