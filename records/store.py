@@ -9,9 +9,12 @@ exclusive `flock`, so lines never interleave. A writer killed mid-line leaves a 
 next append starts on a fresh line and `load` reports the torn one instead of failing.
 
 Every record read or written is checked by `validate_record`: the shape of each required field, a bounded nesting
-depth, and the shape of every field the report reads (a tok/s that is a number, a label that is text). `load` skips
-a line that fails, saying where and why, so no line can take the report down; `append` refuses to write one
-(`RecordError`), and a records folder or file that cannot be written raises `RecordsUnwritable`, naming the path.
+depth, and its git, machine, params and results by the schema of its kind and version (`records.schema`: version 2,
+what `make_record` writes, declares every field with its type; version 1, the records written before it, is
+checked by the rules it was written under). `load` skips a line that fails, saying where and why, so no line can
+take the report down; `append` refuses to write one (`RecordError`, naming the kind, the field, what was expected
+and what was found), and a records folder or file that cannot be written raises `RecordsUnwritable`, naming the
+path.
 
 Non-finite floats (NaN, inf) are not valid JSON. `make_record` stores them as null, adds a reason
 naming the field, and marks the record INVALID: the record is kept (a long run is not lost at its
@@ -27,7 +30,6 @@ import json
 import math
 import os
 import platform
-import reprlib
 import socket
 import stat
 import subprocess
@@ -38,10 +40,12 @@ from pathlib import Path
 
 import pandas as pd
 
-SCHEMA = 1
+from records import schema
+
+SCHEMA = schema.VERSION  # the schema version make_record writes; records of every version in schema.VERSIONS load
 # `erratum`: records are never edited; a later erratum names an earlier record (params.record) and the fields
 # of it that must not be used (params.fields), with the reason (results.reason). The report honours it.
-KINDS = frozenset({"gate_a", "gate_b", "memory", "bench", "kernel", "decomposition", "nightly", "erratum", "detection"})
+KINDS = frozenset(schema.KINDS)
 VERDICTS = frozenset({"VALID", "INVALID"})
 REQUIRED_FIELDS = ("schema", "id", "time", "kind", "git", "machine", "preset", "dtype", "device", "weights",
                    "params", "results", "verdict", "reasons")
@@ -223,110 +227,7 @@ def make_record(kind: str, *, preset: str | None, dtype: str | None, device: str
 
 # ---- checking a record ------------------------------------------------------------------------
 
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 40
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 2, 4, 4
-
-
-def _brief(x) -> str:
-    """`x` for an error message: its JSON type and a cut repr, so that a hostile value cannot flood the message."""
-    if x is None:
-        return "null"
-    kind = {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
-            dict: "object"}.get(type(x), type(x).__name__)
-    try:
-        text = _REPR.repr(x)
-    except ValueError:  # an integer past Python's digit limit for str()
-        text = "(too many digits to show)"
-    return f"{kind} {text}"
-
-
-def _cut(where: str, chars: int = 80) -> str:
-    """A field's dotted path for a message, on one line and cut: the keys along it come from the record and may be
-    of any length or hold any character (a newline, a lone surrogate), which are shown escaped."""
-    if not where.isprintable():
-        where = "".join(c if c.isprintable() else repr(c)[1:-1] for c in where)
-    return where if len(where) <= chars else where[:chars - 1] + "…"
-
-
-def _number(x) -> bool:
-    """A JSON number that is finite as a float (an integer of 400 digits is not: it cannot be formatted or drawn)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return False
-    try:
-        return math.isfinite(float(x))
-    except OverflowError:
-        return False
-
-
-def _scalar(x) -> bool:
-    return x is None or isinstance(x, (bool, str)) or _number(x)
-
-
-def _erratum_field(x) -> bool:
-    """A field an erratum may void: `verdict`, `reasons`, or a field inside git, machine, params or results (the
-    report indexes every top-level field, so voiding one whole would take it down)."""
-    parts = x.split(".") if isinstance(x, str) else []
-    return x in ("verdict", "reasons") or (
-        len(parts) >= 2 and parts[0] in ("git", "machine", "params", "results") and all(parts))
-
-
-TEXT = ("a string", lambda x: isinstance(x, str))
-NUMBER = ("a finite number", _number)
-NUMBER_OR_NULL = ("a finite number or null", lambda x: x is None or _number(x))  # make_record's null for a NaN
-SCALAR = ("a string, number or boolean (it keys a group of records)", _scalar)
-OBJECT = ("an object", lambda x: isinstance(x, dict))
-ARRAY = ("an array", lambda x: isinstance(x, list))
-ERRATUM_FIELD = ("'verdict', 'reasons' or a dotted field inside git, machine, params or results", _erratum_field)
-# Every field the report (reports/render.py, targets.py, regress.py) reads, with the shape it reads it as. A field
-# may be absent or null (the report treats both as missing: a non-finite float is stored as null); where present
-# it must have this shape. `a[]` is each element of array a and `a.*` each value of object a, null included: the
-# shape says whether null is allowed there.
-FIELD_SHAPES = (
-    ("git.commit", TEXT), ("git.tree_commit", TEXT), ("machine.gpu", TEXT), ("machine.host", TEXT),
-    *((f"params.{k}", SCALAR) for k in ("phase", "batch", "impl", "peer", "run", "op", "kernel", "mode")),
-    ("params.context", NUMBER), ("params.cfg", OBJECT),
-    ("params.record", TEXT), ("params.fields", ARRAY), ("params.fields[]", ERRATUM_FIELD),
-    ("results.peer", TEXT), ("results.trace", TEXT),
-    *((f"results.{k}", NUMBER) for k in (
-        "tok_s", "peer_tok_s", "roofline_fraction", "host_launch_us", "host_kernel_launch_us", "hbm_gbps", "score",
-        "total", "ours_ms", "peer_ms", "ours_graph_ms", "peer_graph_ms", "ours_kernel_ms", "peer_kernel_ms",
-        "measured_peak_bytes", "projected_bytes", "free_before_bytes", "floor_bytes", "min_free_bytes",
-        "idle_fraction", "step_ms")),
-    *((f"results.{c}{k}", shape) for c in ("clocks", "peer_clocks") for k, shape in (
-        ("", OBJECT), (".sm_mhz_mean", NUMBER), (".sm_mhz_max", NUMBER), (".power_cap_share", NUMBER))),
-    ("results.spot_check", OBJECT), ("results.audit", OBJECT), ("results.audit.ratio", NUMBER),
-    ("results.shares", OBJECT), ("results.shares.*", NUMBER_OR_NULL),
-    ("results.exclusive_shares", OBJECT), ("results.exclusive_shares.*", NUMBER_OR_NULL),
-    ("results.samples_ms", ARRAY), ("results.samples_ms[]", NUMBER_OR_NULL),
-    ("results.diagnoses", ARRAY), ("results.diagnoses[]", OBJECT), ("results.diagnoses[].eps", NUMBER),
-    ("results.diagnoses[].ref_margin.nats", NUMBER), ("results.diagnoses[].test_margin.nats", NUMBER),
-    ("results.per_prompt", ARRAY), ("results.per_prompt[]", OBJECT), ("results.per_prompt[].noise", OBJECT),
-    ("results.per_prompt[].noise.test_noise", NUMBER), ("results.per_prompt[].noise.control_noise", NUMBER),
-    ("results.steps", OBJECT), ("results.steps.*", OBJECT), ("results.steps.*.seconds", NUMBER),
-    ("results.steps.*.tail", TEXT),
-    ("results.regressions", ARRAY), ("results.regressions[]", OBJECT), ("results.regressions[].key", ARRAY),
-)
-
-
-def _at(record: dict, path: str):
-    """(where, value) for each value at `path` (see FIELD_SHAPES): a field that is absent or null yields nothing,
-    an element of an array or a value of an object (`[]`, `*`) is yielded even when null."""
-    found = [("", record)]
-    for part in path.split("."):
-        each, name = part.endswith("[]"), part.removesuffix("[]")
-        step = []
-        for where, node in found:
-            if not isinstance(node, dict):
-                continue
-            if name == "*":
-                step += [(f"{where}.{k}", v) for k, v in node.items()]
-            elif node.get(name) is not None:
-                step.append((f"{where}.{name}", node[name]))
-        if each:
-            step = [(f"{w}[{i}]", v) for w, node in step if isinstance(node, list) for i, v in enumerate(node)]
-        found = step
-    return [(w.lstrip("."), v) for w, v in found]
+_brief, _cut = schema.brief, schema.cut
 
 
 def _walk(record: dict) -> list[str]:
@@ -395,8 +296,9 @@ def validate_record(rec) -> list[str]:
     problems = _walk(rec)
     if any("nests deeper" in p for p in problems):
         return problems  # the field checks below would walk the same depth
-    if type(rec["schema"]) is not int or rec["schema"] != SCHEMA:
-        problems.append(f"schema must be {SCHEMA}, got {_brief(rec['schema'])}")
+    version = rec["schema"] if type(rec["schema"]) is int and rec["schema"] in schema.VERSIONS else None
+    if version is None:
+        problems.append(f"schema must be one of {', '.join(map(str, schema.VERSIONS))}, got {_brief(rec['schema'])}")
     if not isinstance(rec["id"], str) or not rec["id"]:
         problems.append(f"id must be a non-empty string, got {_brief(rec['id'])}")
     if (why := _time_problem(rec["time"])) is not None:
@@ -416,10 +318,10 @@ def validate_record(rec) -> list[str]:
         problems.append(f"record reasons must be a list of non-empty strings, got {_brief(reasons)}")
     elif rec["verdict"] == "INVALID" and not reasons:
         problems.append("an INVALID record needs at least one reason")
-    for path, (expected, ok) in FIELD_SHAPES:
-        for where, value in _at(rec, path):
-            if not ok(value):
-                problems.append(f"{_cut(where)} must be {expected}, got {_brief(value)}")
+    if version == 1:
+        problems += schema.v1_problems(rec)
+    elif version is not None:
+        problems += schema.problems(rec)
     return problems
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from records import store
 from records.exits import run_main
+from records.schema import MEMORY, RECORD
 
 from . import regress
 
@@ -136,7 +137,7 @@ def run(step: Step, env: dict, logs: Path, timeout_s: float) -> Step:
 
 
 def same_machine(records: list[dict], host: str, gpu) -> list[dict]:
-    return [r for r in records if r.get("machine", {}).get("host") == host and r.get("machine", {}).get("gpu") == gpu]
+    return [r for r in records if RECORD.machine.host.get(r) == host and RECORD.machine.gpu.get(r) == gpu]
 
 
 def mark_skips(steps: list[Step], new: list[dict]) -> None:
@@ -146,7 +147,7 @@ def mark_skips(steps: list[Step], new: list[dict]) -> None:
     from gates.run import RECORD_KINDS as kinds   # the record kind each gate command appends
     for s in steps:
         s.skipped = s.returncode == 0 and any(r.get("kind") == kinds.get(s.name) and
-                                              (r.get("results") or {}).get("decision") == "skipped" for r in new)
+                                              MEMORY.results.decision.get(r) == "skipped" for r in new)
 
 
 def step_status(returncode: int | None, gate: bool, timed_out: bool, skipped: bool = False) -> str:

@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import mannwhitneyu
 
+from records.schema import BENCH, CLOCKS, RECORD, Field
+
 HISTORY_RUNS = 8  # K: how many earlier runs form the history
 MIN_HISTORY_RUNS = 3  # fewer cannot estimate run-to-run spread
 ALPHA = 0.01
@@ -47,8 +49,8 @@ MAD_FACTOR = 3.0
 
 # impl and peer too: the recompute path is not the graph decoder's history, and a run writes one record of
 # ours per peer, whose samples must not be pooled twice.
-KEY_FIELDS = ("machine.gpu", "machine.host", "preset", "params.phase", "params.context", "params.batch",
-              "params.impl", "params.peer", "dtype")
+KEY_FIELDS = (RECORD.machine.gpu, RECORD.machine.host, RECORD.preset, BENCH.params.phase, BENCH.params.context,
+              BENCH.params.batch, BENCH.params.impl, BENCH.params.peer, RECORD.dtype)
 
 
 @dataclass(frozen=True)
@@ -72,13 +74,11 @@ def describe(key: tuple) -> str:
             f"{gpu or 'no GPU'} @ {host}")
 
 
-def _field(record: dict, dotted: str):
-    value = record
-    for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise KeyError(f"record {record.get('id', '?')!r} has no field {dotted!r}")
-        value = value[part]
-    return value
+def _field(record: dict, field: Field):
+    try:
+        return field.lookup(record)
+    except KeyError:
+        raise KeyError(f"record {record.get('id', '?')!r} has no field {field.path!r}") from None
 
 
 def fingerprint(record: dict) -> tuple:
@@ -90,7 +90,7 @@ def _samples(record: dict) -> np.ndarray:
     """The record's per-token latencies; ValueError unless a non-empty list of finite positive numbers (a median of
     zero could not be divided by)."""
     try:
-        samples = np.asarray(_field(record, "results.samples_ms"), dtype=float)
+        samples = np.asarray(_field(record, BENCH.results.samples_ms), dtype=float)
     except (TypeError, ValueError) as e:
         raise ValueError(f"record {record.get('id', '?')!r}: results.samples_ms must be a list of numbers ({e})") from e
     if samples.ndim != 1 or samples.size == 0 or not np.all(np.isfinite(samples)) or not np.all(samples > 0):
@@ -157,7 +157,7 @@ def host_ratio(new: dict, earlier: list[dict]) -> float | None:
     """The new run's host probe over the median probe of the history runs that have one; None where the new run
     lacks it or fewer than MIN_HISTORY_RUNS of the history runs have it."""
     def probe(r):
-        v = (r.get("results") or {}).get("host_launch_us")
+        v = BENCH.results.host_launch_us.get(r)
         return float(v) if isinstance(v, (int, float)) and v > 0 else None
     mine, theirs = probe(new), [p for p in map(probe, earlier) if p is not None]
     if mine is None or len(theirs) < MIN_HISTORY_RUNS:
@@ -170,13 +170,14 @@ def clock_note(new: dict, earlier: list[dict]) -> str:
     lack it) against the history runs that carry them: a note, not a verdict. A long prefill on the H200 runs at
     its 700 W cap with the clock lowered, so a slower run at a lower clock may be the board, not the code."""
     def clocks(r):
-        c = (r.get("results") or {}).get("clocks")
-        return c if isinstance(c, dict) and isinstance(c.get("sm_mhz_mean"), (int, float)) else None
+        c = BENCH.results.clocks.get(r)
+        return c if isinstance(c, dict) and isinstance(CLOCKS.sm_mhz_mean.get(c), (int, float)) else None
     mine = clocks(new)
     if mine is None:
         return ""
-    note = f"; SM clock {mine['sm_mhz_mean']:.0f} MHz, at the power cap in {mine.get('power_cap_share') or 0:.0%}"
-    theirs = [c["sm_mhz_mean"] for c in map(clocks, earlier) if c is not None]
+    note = (f"; SM clock {CLOCKS.sm_mhz_mean.get(mine):.0f} MHz, at the power cap in "
+            f"{CLOCKS.power_cap_share.get(mine) or 0:.0%}")
+    theirs = [CLOCKS.sm_mhz_mean.get(c) for c in map(clocks, earlier) if c is not None]
     if theirs:
         note += f" (history: {float(np.median(theirs)):.0f} MHz over {len(theirs)} run(s))"
     return note
@@ -188,8 +189,7 @@ def pacing_note(r: dict, prefix: str = "") -> str:
     has none (decode steps, CPU runs, older records); `prefix` "peer_" reads the peer's. The one wording of it: this
     module's message and the report's speed table use it. A note, not a verdict: it says the host set the pace of
     those calls, not whether the host's CPU or our own host-side code got slower; the host probe tells those apart."""
-    res = r.get("results") or {}
-    n, host = res.get(f"{prefix}host_paced"), res.get(f"{prefix}host_ms")
+    n, host = BENCH.results.field(f"{prefix}host_paced").get(r), BENCH.results.field(f"{prefix}host_ms").get(r)
     if not isinstance(n, int) or not isinstance(host, list):
         return ""
     return f"; host-paced {n}/{len(host)}"

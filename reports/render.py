@@ -34,7 +34,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from benchmarks.categories import CATEGORY_NAMES  # noqa: E402
 from records import store  # noqa: E402
-from records.store import get  # noqa: E402
+from records.schema import (BENCH, CLOCKS, DECOMPOSITION, DIAGNOSIS, ERRATUM, GATE, GATE_B,  # noqa: E402
+                            KERNEL, MEMORY, NIGHTLY, NOISE, PROMPT, RECORD, REGRESSION, SPOT_CHECK, STEP, Field)
 from reports import regress, targets  # noqa: E402
 
 NO_RECORDS = "no records yet"
@@ -129,14 +130,15 @@ def short_id(r: dict) -> str:
 def commit(r: dict) -> str:
     """The commit a record ran at; where git was unusable on the machine, the commit whose tree was sent there
     (`git.tree_commit`, marked `tree:`)."""
-    sha, dirty = get(r, "git.commit"), get(r, "git.dirty")
-    if sha is None and get(r, "git.tree_commit"):
-        return "tree:" + str(get(r, "git.tree_commit"))[:7] + ("+dirty" if get(r, "git.tree_dirty") else "")
+    git = RECORD.git
+    sha, dirty = git.commit.get(r), git.dirty.get(r)
+    if sha is None and git.tree_commit.get(r):
+        return "tree:" + str(git.tree_commit.get(r))[:7] + ("+dirty" if git.tree_dirty.get(r) else "")
     return str(sha or "?")[:7] + ("+dirty" if dirty else "")
 
 
 def machine(r: dict) -> str:
-    return f"{get(r, 'machine.gpu', 'no GPU')} @ {get(r, 'machine.host', '?')}"
+    return f"{RECORD.machine.gpu.get(r, 'no GPU')} @ {RECORD.machine.host.get(r, '?')}"
 
 
 def when(r: dict) -> datetime:
@@ -160,13 +162,14 @@ def latest_by(records: list[dict], key) -> dict:
     return out
 
 
-def usable(records: list[dict], fields: tuple[str, ...], what: str) -> tuple[list[dict], list[str]]:
+def usable(records: list[dict], fields: tuple[Field, ...], what: str) -> tuple[list[dict], list[str]]:
     """The records that have every one of `fields`, and a note naming those left out (never dropped silently)."""
-    ok = [r for r in records if all(get(r, f) is not None for f in fields)]
+    ok = [r for r in records if all(f.get(r) is not None for f in fields)]
     left = [r for r in records if r not in ok]
     if not left:
         return ok, []
-    return ok, [f"{len(left)} {what} record(s) lack one of {', '.join(fields)} and are not drawn: {cite(left)}"]
+    return ok, [f"{len(left)} {what} record(s) lack one of {', '.join(f.path for f in fields)} and are not drawn: "
+                f"{cite(left)}"]
 
 
 def fmt(x, spec: str | None = None) -> str:
@@ -238,15 +241,15 @@ def nightly_section(nights: list[dict]) -> Section:
                     "lines, the step's log the rest).")
 
     def step_cell(name: str, st: dict) -> str:
-        status = step_status(st.get("returncode"), st.get("gate", False), st.get("timed_out", False),
-                             st.get("skipped", False))
-        return f"{name} {status} {duration(st.get('seconds') or 0)}"
+        status = step_status(STEP.returncode.get(st), STEP.gate.get(st, False), STEP.timed_out.get(st, False),
+                             STEP.skipped.get(st, False))
+        return f"{name} {status} {duration(STEP.seconds.get(st) or 0)}"
 
     def checked(judged: list[dict]) -> str:
         if not judged:
             return "nothing judged (no bench record)"
-        flagged = [described(g.get("key")) for g in judged if g.get("verdict") == "regression"]
-        short = sum(g.get("verdict") == "insufficient-history" for g in judged)
+        flagged = [described(REGRESSION.key.get(g)) for g in judged if REGRESSION.verdict.get(g) == "regression"]
+        short = sum(REGRESSION.verdict.get(g) == "insufficient-history" for g in judged)
         return ("REGRESSION: " + "; ".join(flagged) if flagged else f"none of {len(judged)} flagged") + \
             (f" ({short} with too little history to judge)" if short else "")
 
@@ -255,17 +258,18 @@ def nightly_section(nights: list[dict]) -> Section:
         return regress.describe(tuple(key)) if whole else f"configuration {key}"
 
     def last_line(name: str, st: dict) -> str:
-        line = st["tail"].splitlines()[-1] if st.get("tail") else "(no output)"
-        return f"{name}: {line}" + (" (killed: --step-timeout)" if st.get("timed_out") else "")
+        tail = STEP.tail.get(st)
+        line = tail.splitlines()[-1] if tail else "(no output)"
+        return f"{name}: {line}" + (" (killed: --step-timeout)" if STEP.timed_out.get(st) else "")
 
     rows = []
     for r in nights:
-        steps = get(r, "results.steps", {})
-        why = [last_line(name, st) for name, st in steps.items() if st.get("returncode") != 0]
+        steps = NIGHTLY.results.steps.get(r, {})
+        why = [last_line(name, st) for name, st in steps.items() if STEP.returncode.get(st) != 0]
         rows.append([short_id(r), r["time"], machine(r), commit(r), str(r["preset"]),
-                     "PASS" if get(r, "results.passed") else "FAIL",
+                     "PASS" if NIGHTLY.results.passed.get(r) else "FAIL",
                      "; ".join(step_cell(n, st) for n, st in steps.items()) or "no steps",
-                     checked(get(r, "results.regressions", [])), "; ".join(why) or "—"])
+                     checked(NIGHTLY.results.regressions.get(r, [])), "; ".join(why) or "—"])
     s.blocks.append(Table(["record", "time", "machine", "commit", "preset", "nightly", "steps", "regressions",
                            "last line of a failed step"], rows, cite(nights)))
     return s
@@ -303,8 +307,8 @@ def apply_errata(records: list[dict]) -> tuple[list[dict], list[dict]]:
     errata = [r for r in records if r["kind"] == "erratum" and r["verdict"] == "VALID"]
     void, why = defaultdict(set), defaultdict(list)
     for e in errata:
-        void[get(e, "params.record")].update(get(e, "params.fields", []))
-        why[get(e, "params.record")].append(f"erratum {short_id(e)}: {get(e, 'results.reason', '')}")
+        void[ERRATUM.params.record.get(e)].update(ERRATUM.params.fields.get(e, []))
+        why[ERRATUM.params.record.get(e)].append(f"erratum {short_id(e)}: {ERRATUM.results.reason.get(e, '')}")
     out = []
     for r in records:
         if r["kind"] == "erratum":
@@ -332,14 +336,15 @@ def errata_section(errata: list[dict]) -> Section:
         return s
     s.blocks.append("Fields of earlier records that are not used above (records are never edited; these say why).")
     s.blocks.append(Table(["erratum", "record", "fields", "reason"],
-                          [[short_id(e), str(get(e, "params.record"))[:8], ", ".join(get(e, "params.fields", [])),
-                            str(get(e, "results.reason"))] for e in errata], cite(errata)))
+                          [[short_id(e), str(ERRATUM.params.record.get(e))[:8],
+                            ", ".join(ERRATUM.params.fields.get(e, [])), str(ERRATUM.results.reason.get(e))]
+                           for e in errata], cite(errata)))
     return s
 
 
 def bench_config(r: dict) -> tuple:
-    return (get(r, "params.phase"), get(r, "params.context"), r["preset"], r["dtype"],
-            get(r, "machine.gpu"), get(r, "machine.host"))
+    return (BENCH.params.phase.get(r), BENCH.params.context.get(r), r["preset"], r["dtype"],
+            RECORD.machine.gpu.get(r), RECORD.machine.host.get(r))
 
 
 def config_order(config: tuple) -> tuple:
@@ -349,32 +354,34 @@ def config_order(config: tuple) -> tuple:
 
 
 def series_label(r: dict) -> str:
-    return f"{r['preset']} {r['dtype']} ({get(r, 'machine.gpu', 'no GPU')})"
+    return f"{r['preset']} {r['dtype']} ({RECORD.machine.gpu.get(r, 'no GPU')})"
+
+
+P, R = BENCH.params, BENCH.results  # the bench fields the speed sections read
 
 
 def speed_section(bench: list[dict], out: Path) -> Section:
     s = Section("Speed against context length")
-    bench, s.blocks = usable(bench, ("params.phase", "params.context", "results.tok_s"), "bench")
+    bench, s.blocks = usable(bench, (P.phase, P.context, R.tok_s), "bench")
     for phase in ("decode", "prefill"):
-        rs = [r for r in bench if get(r, "params.phase") == phase]
+        rs = [r for r in bench if P.phase.get(r) == phase]
         if not rs:
             s.blocks.append(f"{phase}: {NO_RECORDS}")
             continue
         ours = latest_by(rs, bench_config)
         # A peer's rate is its record's peer_tok_s, calls over its timed span as ours is, the figure
         # speedup_vs_peer divides by (not its median step: HF's eager decode moves the two apart).
-        peers = latest_by([r for r in rs if get(r, "results.peer_tok_s") is not None],
-                          lambda r: (bench_config(r), get(r, "results.peer")))
+        peers = latest_by([r for r in rs if R.peer_tok_s.get(r) is not None],
+                          lambda r: (bench_config(r), R.peer.get(r)))
         fig, ax = plt.subplots(figsize=(8, 4.5))
         lines = defaultdict(list)
         for r in ours.values():
-            lines[("ours", series_label(r))].append((get(r, "params.context"), get(r, "results.tok_s")))
-            if get(r, "results.roofline_fraction"):
+            lines[("ours", series_label(r))].append((P.context.get(r), R.tok_s.get(r)))
+            if R.roofline_fraction.get(r):
                 lines[("roofline", series_label(r))].append(
-                    (get(r, "params.context"), get(r, "results.tok_s") / get(r, "results.roofline_fraction")))
+                    (P.context.get(r), R.tok_s.get(r) / R.roofline_fraction.get(r)))
         for r in peers.values():  # a record that measured a peer without naming it still draws, as "peer"
-            lines[(get(r, "results.peer", "peer"), series_label(r))].append(
-                (get(r, "params.context"), get(r, "results.peer_tok_s")))
+            lines[(R.peer.get(r, "peer"), series_label(r))].append((P.context.get(r), R.peer_tok_s.get(r)))
         for (who, label), points in sorted(lines.items()):
             x, y = zip(*sorted(points))
             style = {"ours": dict(marker="o", lw=2, color=OURS_COLOR),
@@ -392,10 +399,10 @@ def speed_section(bench: list[dict], out: Path) -> Section:
              "GPU while timed (SM clock; samples at the power cap; prefill calls the host paced)", "record",
              "peers (tok/s as ours, calls over the timed span; record; first greedy tokens agreeing with ours; "
              "GPU clock)"],
-            [[str(get(r, "params.context")), series_label(r), fmt(get(r, "results.tok_s")),
-              fmt(get(r, "results.roofline_fraction"), ".1%"), host_probe_text(r),
-              clock_text(get(r, "results.clocks")) + regress.pacing_note(r), short_id(r),
-              ", ".join(f"{get(p, 'results.peer')} {fmt(get(p, 'results.peer_tok_s'))} "
+            [[str(P.context.get(r)), series_label(r), fmt(R.tok_s.get(r)),
+              fmt(R.roofline_fraction.get(r), ".1%"), host_probe_text(r),
+              clock_text(R.clocks.get(r)) + regress.pacing_note(r), short_id(r),
+              ", ".join(f"{R.peer.get(p)} {fmt(R.peer_tok_s.get(p))} "
                         f"({short_id(p)}{spot_text(p)}{peer_clock(p)})"
                         for (cfg, _), p in sorted(peers.items(), key=lambda kv: str(kv[0])) if cfg == key) or "—"]
              for key, r in sorted(ours.items(), key=lambda kv: config_order(kv[0]))], cite(used)))
@@ -405,35 +412,35 @@ def speed_section(bench: list[dict], out: Path) -> Section:
 def host_probe_text(r: dict) -> str:
     """The run's host probes for a table cell: one eager launch, and (records since the probe existed) one launch of
     our own Triton kernels through their wrappers (`benchmarks.roofline.measure_kernel_launch_us`)."""
-    kernel = get(r, "results.host_kernel_launch_us")
-    return fmt(get(r, "results.host_launch_us"), ".2f") + ("" if kernel is None else f" / {kernel:.2f}")
+    kernel = R.host_kernel_launch_us.get(r)
+    return fmt(R.host_launch_us.get(r), ".2f") + ("" if kernel is None else f" / {kernel:.2f}")
 
 
 def clock_text(c: dict | None) -> str:
     """The GPU's clocks over a timed run (`benchmarks.gpu_clocks`) for a table cell: mean SM clock against its
     maximum, and the share of samples the driver held under the power cap."""
-    if not isinstance(c, dict) or c.get("sm_mhz_mean") is None:
+    if not isinstance(c, dict) or CLOCKS.sm_mhz_mean.get(c) is None:
         return "—"
-    top = f" of {c['sm_mhz_max']:,.0f}" if c.get("sm_mhz_max") else ""
-    cap = c.get("power_cap_share")
-    return f"{c['sm_mhz_mean']:,.0f}{top} MHz" + ("" if cap is None else f"; cap {cap:.0%}")
+    top = f" of {CLOCKS.sm_mhz_max.get(c):,.0f}" if CLOCKS.sm_mhz_max.get(c) else ""
+    cap = CLOCKS.power_cap_share.get(c)
+    return f"{CLOCKS.sm_mhz_mean.get(c):,.0f}{top} MHz" + ("" if cap is None else f"; cap {cap:.0%}")
 
 
 def peer_clock(r: dict) -> str:
     """A peer's clocks for its table cell (`clock_text`), after a separator; empty where none were sampled."""
-    c = get(r, "results.peer_clocks")
+    c = R.peer_clocks.get(r)
     return (f"; {clock_text(c)}" if c else "") + regress.pacing_note(r, "peer_")
 
 
 def spot_text(r: dict) -> str:
     """A peer record's spot check (its first greedy tokens against ours, `bench_e2e.spot_result`) for a table cell:
     how many agree and, where they part, the verdict at the first divergence; empty without a spot check."""
-    sc = get(r, "results.spot_check")
+    sc = R.spot_check.get(r)
     if not isinstance(sc, dict) or "agree" not in sc:
         return ""
-    text = f"; {sc['agree']}/{sc.get('total', '?')}"
-    if sc.get("verdict") not in (None, "match"):
-        text += f", {sc['verdict']} at step {sc.get('first_divergence')}"
+    text = f"; {SPOT_CHECK.agree.lookup(sc)}/{SPOT_CHECK.total.get(sc, '?')}"
+    if SPOT_CHECK.verdict.get(sc) not in (None, "match"):
+        text += f", {SPOT_CHECK.verdict.get(sc)} at step {SPOT_CHECK.first_divergence.get(sc)}"
     return text
 
 
@@ -443,9 +450,9 @@ def history_section(bench: list[dict], out: Path) -> Section:
         s.blocks.append(NO_RECORDS)
         return s
     verdicts = {r["id"]: regress.check(r, bench) for r in bench if regress.comparable(r)}
-    bench, s.blocks = usable(bench, ("params.phase", "params.context", "results.tok_s"), "bench")
+    bench, s.blocks = usable(bench, (P.phase, P.context, R.tok_s), "bench")
     for phase in ("decode", "prefill"):
-        rs = sorted((r for r in bench if get(r, "params.phase") == phase), key=lambda r: r["time"])
+        rs = sorted((r for r in bench if P.phase.get(r) == phase), key=lambda r: r["time"])
         if not rs:
             continue
         fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -453,11 +460,11 @@ def history_section(bench: list[dict], out: Path) -> Section:
         for r in rs:
             by_config[bench_config(r)].append(r)
         for cfg, runs in sorted(by_config.items(), key=lambda kv: config_order(kv[0])):
-            ax.plot([when(r) for r in runs], [get(r, "results.tok_s") for r in runs], marker="o",
+            ax.plot([when(r) for r in runs], [R.tok_s.get(r) for r in runs], marker="o",
                     label=plot_text(f"ctx {cfg[1]}: {series_label(runs[0])}"))
         flagged = [r for r in rs if verdicts.get(r["id"]) and verdicts[r["id"]].verdict == "regression"]
         if flagged:
-            ax.scatter([when(r) for r in flagged], [get(r, "results.tok_s") for r in flagged], s=160,
+            ax.scatter([when(r) for r in flagged], [R.tok_s.get(r) for r in flagged], s=160,
                        facecolors="none", edgecolors="red", linewidths=2, label="regression", zorder=5)
         ticks = latest_by(rs, commit)  # one tick per commit, at its latest run
         ax.set_xticks([when(r) for r in ticks.values()], [plot_text(c) for c in ticks], rotation=45, fontsize=7)
@@ -481,7 +488,7 @@ def history_section(bench: list[dict], out: Path) -> Section:
 
 
 def regression_row(r: dict, v: regress.Regression) -> list[str]:
-    config = f"{get(r, 'params.phase')} ctx {get(r, 'params.context')} {series_label(r)} @ {get(r, 'machine.host')}"
+    config = f"{P.phase.get(r)} ctx {P.context.get(r)} {series_label(r)} @ {RECORD.machine.host.get(r)}"
     change = None if v.ratio is None else v.ratio - 1
     verdict = v.verdict.upper() if v.verdict == "regression" else v.verdict  # stands out in a column of "ok"
     return [short_id(r), r["time"], config, verdict, fmt(v.new_median), fmt(change, "+.1%"), fmt(v.p_value, ".2g"),
@@ -490,28 +497,30 @@ def regression_row(r: dict, v: regress.Regression) -> list[str]:
 
 def diagnosis_row(r: dict, d: dict) -> list[str]:
     """One `results.diagnoses` entry, as gates/compare.py's Divergence.to_dict() writes it."""
-    side = lambda which: f"{get(d, which + '.name', which)}: {get(d, which + '.token', '?')}"
-    margin = lambda which: ("≥ " if get(d, which + ".lower_bound") else "") + fmt(get(d, which + ".nats"))
-    return [short_id(r), r["kind"], commit(r), str(d.get("prompt")), str(d.get("step")), side("ref"), side("test"),
-            f"{margin('ref_margin')} / {margin('test_margin')}", fmt(d.get("eps")), str(d.get("verdict")),
-            noise_cell(r, d.get("prompt"))]
+    side = lambda f, which: f"{f.name.get(d, which)}: {f.token.get(d, '?')}"
+    margin = lambda f: ("≥ " if f.lower_bound.get(d) else "") + fmt(f.nats.get(d))
+    D = DIAGNOSIS
+    return [short_id(r), r["kind"], commit(r), str(D.prompt.get(d)), str(D.step.get(d)), side(D.ref, "ref"),
+            side(D.test, "test"), f"{margin(D.ref_margin)} / {margin(D.test_margin)}", fmt(D.eps.get(d)),
+            str(D.verdict.get(d)), noise_cell(r, D.prompt.get(d))]
 
 
 def noise_cell(r: dict, prompt) -> str:
     """Gate A's control (gates/compare.py NoiseCheck) for one prompt, when the run made one."""
-    n = next((p.get("noise") for p in get(r, "results.per_prompt", []) if p.get("prompt") == prompt), None)
+    n = next((PROMPT.noise.get(p) for p in GATE.results.per_prompt.get(r, []) if PROMPT.prompt.get(p) == prompt),
+             None)
     if not n:
         return "—"
-    ctrl = n.get("control_first_divergence")
-    return (f"{'within' if n.get('within_noise') else 'BEYOND'} ({n.get('control')} "
+    ctrl = NOISE.control_first_divergence.get(n)
+    return (f"{'within' if NOISE.within_noise.get(n) else 'BEYOND'} ({NOISE.control.get(n)} "
             f"{'never diverged' if ctrl is None else f'diverged at step {ctrl}'}; max|dlogit| test "
-            f"{fmt(n.get('test_noise'))} vs control {fmt(n.get('control_noise'))})")
+            f"{fmt(NOISE.test_noise.get(n))} vs control {fmt(NOISE.control_noise.get(n))})")
 
 
 def gate_conditions(r: dict) -> str:
     """'48b-a3b float32, experts bf16': the model and the precision it ran at (gates/run.py: Gate A on CUDA runs
     in fp32 with the routed experts held in bf16)."""
-    experts = get(r, "params.expert_dtype")
+    experts = GATE.params.expert_dtype.get(r)
     return f"{r['preset']} {r['dtype']}" + (f", experts {experts}" if experts else "")
 
 
@@ -520,16 +529,17 @@ def gate_reference(r: dict) -> str:
     precision and where (a self-made golden is a regression check, an HF one the independent oracle)."""
     if r["kind"] != "gate_b":
         return "recompute path"
-    impl = get(r, "params.golden_implementation")
+    impl = GATE_B.params.golden_implementation.get(r)
     if impl is None:
         return "golden (not recorded)"
-    return f"golden: {impl} {get(r, 'params.golden_dtype')} {get(r, 'params.golden_device')}"
+    return f"golden: {impl} {GATE_B.params.golden_dtype.get(r)} {GATE_B.params.golden_device.get(r)}"
 
 
 def gates_section(gates: list[dict], out: Path) -> Section:
     s = Section("Gates")
-    gates, s.blocks = usable(sorted(gates, key=lambda r: r["time"]), ("results.score", "results.total"), "gate")
-    empty = [r for r in gates if not get(r, "results.total")]
+    score, total, passed = GATE.results.score, GATE.results.total, GATE.results.passed
+    gates, s.blocks = usable(sorted(gates, key=lambda r: r["time"]), (score, total), "gate")
+    empty = [r for r in gates if not total.get(r)]
     if empty:  # k/0 is no score
         s.blocks.append(f"{len(empty)} gate record(s) have results.total 0 and are not drawn: {cite(empty)}")
         gates = [r for r in gates if r not in empty]
@@ -540,14 +550,13 @@ def gates_section(gates: list[dict], out: Path) -> Section:
     for kind, marker in (("gate_a", "o"), ("gate_b", "s")):
         rs = [r for r in gates if r["kind"] == kind]
         if rs:
-            ax.plot([when(r) for r in rs], [get(r, "results.score") / get(r, "results.total") for r in rs],
-                    marker=marker, label=kind)
-            failed = [r for r in rs if not get(r, "results.passed")]
-            ax.scatter([when(r) for r in failed], [get(r, "results.score") / get(r, "results.total") for r in failed],
+            ax.plot([when(r) for r in rs], [score.get(r) / total.get(r) for r in rs], marker=marker, label=kind)
+            failed = [r for r in rs if not passed.get(r)]
+            ax.scatter([when(r) for r in failed], [score.get(r) / total.get(r) for r in failed],
                        color="red", s=80, zorder=5, label=f"{kind} failed" if failed else None)
             for r in failed:
-                ax.annotate(plot_text(f"{get(r, 'results.score')}/{get(r, 'results.total')}"),
-                            (when(r), get(r, "results.score") / get(r, "results.total")), textcoords="offset points",
+                ax.annotate(plot_text(f"{score.get(r)}/{total.get(r)}"),
+                            (when(r), score.get(r) / total.get(r)), textcoords="offset points",
                             xytext=(8, 0), color="red")
     ticks = latest_by(gates, commit)
     ax.set_xticks([when(r) for r in ticks.values()], [plot_text(c) for c in ticks], rotation=45, fontsize=7)
@@ -559,9 +568,9 @@ def gates_section(gates: list[dict], out: Path) -> Section:
                            "score", "passed", "verdict"],
                           [[short_id(r), r["time"], r["kind"], gate_conditions(r), gate_reference(r), machine(r),
                             commit(r),
-                            f"{get(r, 'results.score')}/{get(r, 'results.total')}",
-                            "PASS" if get(r, "results.passed") else "FAIL", r["verdict"]] for r in gates], cite(gates)))
-    diag = [(r, d) for r in gates for d in get(r, "results.diagnoses", [])]
+                            f"{score.get(r)}/{total.get(r)}",
+                            "PASS" if passed.get(r) else "FAIL", r["verdict"]] for r in gates], cite(gates)))
+    diag = [(r, d) for r in gates for d in GATE.results.diagnoses.get(r, [])]
     if diag:
         s.blocks.append("Diagnoses of mismatches (gates/compare.py: first divergent step per prompt; near-tie = each "
                         "token in the other's top-5 and both margins under eps; noise floor = Gate A's control, the "
@@ -581,7 +590,8 @@ def decomposition_section(decomps: list[dict], out: Path) -> Section:
         return s
     ours = max(decomps, key=decomposition_preference)
     others = [r for r in decomps if decomposition_preference(r)[:-1] != decomposition_preference(ours)[:-1]]
-    shares = get(ours, "results.shares", {})
+    res = DECOMPOSITION.results
+    shares = res.shares.get(ours, {})
     cats = [c for c in CATEGORY_NAMES if c in shares or c in SEED_SHARES] + sorted(set(shares) - set(CATEGORY_NAMES))
     label = plot_text(f"ours ({short_id(ours)}, {commit(ours)})")
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4.5), gridspec_kw={"width_ratios": [3, 1]})
@@ -593,24 +603,25 @@ def decomposition_section(decomps: list[dict], out: Path) -> Section:
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     left.set(ylabel="share of GPU kernel time", ylim=(0, 1.0), title="decode kernel time by category")
     left.legend(fontsize=7, bbox_to_anchor=(1.0, 1.0), loc="upper left")
-    right.bar(["ours", "seed"], [get(ours, "results.idle_fraction", 0.0), SEED_IDLE], color=["tab:blue", "tab:gray"])
+    right.bar(["ours", "seed"], [res.idle_fraction.get(ours, 0.0), SEED_IDLE], color=["tab:blue", "tab:gray"])
     right.set(ylabel="GPU idle fraction of wall time", title="idle between kernels")
     src = f"ours: {cite([ours])}; seed bar: {SEED_CITATION}"
     s.blocks.append(Figure(save(fig, out, "decomposition"), "decode decomposition, ours vs seed", src))
     # exclusive shares (of busy time; a kernel launched early is not charged for its wait), where the record has them
-    excl = get(ours, "results.exclusive_shares")
+    excl = res.exclusive_shares.get(ours)
     rows = [[c, fmt(shares.get(c), ".1%"), fmt(SEED_SHARES.get(c), ".1%")] + ([fmt(excl.get(c), ".1%")] if excl else [])
             for c in cats]
     rows += [row + (["—"] if excl else []) for row in (
-        ["idle (of wall time)", fmt(get(ours, "results.idle_fraction"), ".1%"), f"{SEED_IDLE:.0%}"],
-        ["ms per step", fmt(get(ours, "results.step_ms")), "—"])]
+        ["idle (of wall time)", fmt(res.idle_fraction.get(ours), ".1%"), f"{SEED_IDLE:.0%}"],
+        ["ms per step", fmt(res.step_ms.get(ours)), "—"])]
     s.blocks.append(Table(["category", "ours", SEED_LABEL] + (["ours, exclusive time"] if excl else []), rows, src))
     if others:
         newest = max(others, key=lambda r: r["time"])
         s.blocks.append(f"Drawn: the latest decomposition of the {DECOMPOSITION_PREFERRED} kind there is, or the one "
                         f"closest to it. {len(others)} decode decomposition(s) of other kinds are not drawn; the "
                         f"newest: {short_id(newest)} ({newest['preset']}, context "
-                        f"{get(newest, 'params.context', '?')}, {get(newest, 'params.mode', '?')}, "
+                        f"{DECOMPOSITION.params.context.get(newest, '?')}, "
+                        f"{DECOMPOSITION.params.mode.get(newest, '?')}, "
                         f"{machine(newest)}, commit {commit(newest)}).")
     return s
 
@@ -622,8 +633,8 @@ def decomposition_preference(r: dict) -> tuple:
     """Which decode decomposition the seed's is set beside: the 48B model on a GPU at 1k context in graph mode
     (the configuration of the decode targets), then whichever comes closest, the latest of its kind. A tiny
     decomposition on a CPU (the nightly's) or one at 128k must not take its place for being newer."""
-    return (r["preset"] == "48b-a3b", bool(get(r, "machine.gpu")), get(r, "params.context") == 1024,
-            get(r, "params.mode") == "graph", r["time"])
+    return (r["preset"] == "48b-a3b", bool(RECORD.machine.gpu.get(r)), DECOMPOSITION.params.context.get(r) == 1024,
+            DECOMPOSITION.params.mode.get(r) == "graph", r["time"])
 
 
 def natural(text: str) -> list:
@@ -640,12 +651,12 @@ def kernel_label(r: dict) -> str:
     """`op` (the kernel benchmarks' name; `kernel` alone in older records, the part of it in MoE records) and the shape
     parameters. Left to the record itself: the prose `*_scope` parameters, a dtype repeated from the record, and
     the launch `cfg`, so that a kernel shape keeps one row when its default tiles change (the latest is shown)."""
-    params = r["params"] or {}
-    op, part = params.get("op"), params.get("kernel")
+    params = KERNEL.params.get(r, {})
+    op, part = KERNEL.params.op.get(r), KERNEL.params.kernel.get(r)
     name = f"{op} {part}" if op and part else (op or part or "?")
     rest = " ".join(f"{k}={v}" for k, v in sorted(params.items())
                     if k not in ("op", "kernel", "dtype", "cfg") + AB_CONDITIONS and not k.endswith("_scope"))
-    return f"{name} {rest} {r['dtype'] or params.get('dtype', '')}".strip()
+    return f"{name} {rest} {r['dtype'] or KERNEL.params.dtype.get(r, '')}".strip()
 
 
 def superseded(latest: list[dict]) -> list[dict]:
@@ -653,10 +664,10 @@ def superseded(latest: list[dict]) -> list[dict]:
     name a key (say `prep=blocked`) that no record of that newest run (the newest record's commit) carries. Shapes
     are not variants: a newest record with the same keys and other values (T=1024 against T=8192) drops nothing."""
     def op(r):
-        return (r["params"] or {}).get("op"), (r["params"] or {}).get("kernel"), get(r, "machine.gpu")
+        return KERNEL.params.op.get(r), KERNEL.params.kernel.get(r), RECORD.machine.gpu.get(r)
 
     def run(r):
-        return get(r, "git.commit") or r["time"]
+        return RECORD.git.commit.get(r) or r["time"]
 
     newest = {}
     for r in sorted(latest, key=lambda r: r["time"]):
@@ -672,15 +683,15 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
     """The latest record per kernel shape. Sweep records (`params.sweep`: one per launch config tried, hundreds a
     run) are counted, not drawn: they are the evidence behind a default, cited where the default is set."""
     s = Section("Kernel timings, ours vs peer")
-    sweeps = [r for r in kernels if get(r, "params.sweep")]
-    kernels = [r for r in kernels if not get(r, "params.sweep")]
+    sweeps = [r for r in kernels if KERNEL.params.sweep.get(r)]
+    kernels = [r for r in kernels if not KERNEL.params.sweep.get(r)]
     if sweeps:
         s.blocks.append(f"{len(sweeps)} launch-config sweep record(s) are not drawn (see `python -m benchmarks.kernels --moe-sweep`, "
                         f"`--decode-sweep`, `--chunk-sweep` and `--conv-sweep`; the defaults cite them).")
     if not kernels:
         s.blocks.append(NO_RECORDS)
         return s
-    latest = sorted(latest_by(kernels, lambda r: (kernel_label(r), get(r, "machine.gpu"))).values(),
+    latest = sorted(latest_by(kernels, lambda r: (kernel_label(r), RECORD.machine.gpu.get(r))).values(),
                     key=lambda r: natural(kernel_label(r)))
     old = superseded(latest)
     if old:
@@ -690,9 +701,10 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
     labels = [kernel_label(r) for r in latest]
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(latest) + 1.5))
     y = range(len(latest))
-    ax.barh([i - 0.2 for i in y], [get(r, "results.ours_ms", 0) for r in latest], height=0.4, label="ours")
-    ax.barh([i + 0.2 for i in y], [get(r, "results.peer_ms", 0) for r in latest], height=0.4,
-            label=plot_text("peer: " + ", ".join(sorted({str(get(r, "results.peer", "?")) for r in latest}))))
+    K = KERNEL.results
+    ax.barh([i - 0.2 for i in y], [K.ours_ms.get(r, 0) for r in latest], height=0.4, label="ours")
+    ax.barh([i + 0.2 for i in y], [K.peer_ms.get(r, 0) for r in latest], height=0.4,
+            label=plot_text("peer: " + ", ".join(sorted({str(K.peer.get(r, "?")) for r in latest}))))
     ax.set_yticks(list(y), [plot_text(label) for label in labels], fontsize=7)
     ax.set(xscale="log", xlabel="ms per call")
     fig.suptitle("kernel timings (latest per kernel and GPU)", fontsize=10)
@@ -701,10 +713,8 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
     s.blocks.append(Figure(save(fig, out, "kernels"), "kernel timings", cite(latest)))
     s.blocks.append(Table(["kernel", "ours ms", "peer", "peer ms", "speedup", "CUDA graph: ours / peer ms (speedup)",
                            "kernels (profiler): ours / peer ms (speedup)", "config", "record", "machine", "commit"],
-                          [[kernel_label(r), fmt(get(r, "results.ours_ms")), str(get(r, "results.peer", "—")),
-                            fmt(get(r, "results.peer_ms")),
-                            fmt(get(r, "results.peer_ms") and get(r, "results.ours_ms")
-                                and get(r, "results.peer_ms") / get(r, "results.ours_ms"), ".2f"),
+                          [[kernel_label(r), fmt(K.ours_ms.get(r)), str(K.peer.get(r, "—")), fmt(K.peer_ms.get(r)),
+                            fmt(K.peer_ms.get(r) and K.ours_ms.get(r) and K.peer_ms.get(r) / K.ours_ms.get(r), ".2f"),
                             paired_cell(r, "graph"), paired_cell(r, "kernel"), config_cell(r), short_id(r),
                             machine(r), commit(r)] for r in latest],
                           cite(latest)))
@@ -715,20 +725,21 @@ def paired_cell(r: dict, how: str) -> str:
     """Both sides by a second measure, `how` = "graph" (timed in CUDA graphs: `benchmarks.kernels`' ours_graph_ms /
     peer_graph_ms) or "kernel" (the kernels' device time by the profiler: ours_kernel_ms / peer_kernel_ms): for
     ~10 us kernels the do_bench columns beside them count a launch per call, and swing from run to run."""
-    ours, peer = get(r, f"results.ours_{how}_ms"), get(r, f"results.peer_{how}_ms")
+    K = KERNEL.results
+    ours, peer = K.field(f"ours_{how}_ms").get(r), K.field(f"peer_{how}_ms").get(r)
     if ours is None:
         return "—"
     if peer is None:
-        return f"{fmt(ours)} / {get(r, f'results.peer_{how}_error') or '—'}"
+        return f"{fmt(ours)} / {K.field(f'peer_{how}_error').get(r) or '—'}"
     return f"{fmt(ours)} / {fmt(peer)} ({fmt(peer / ours if ours else None, '.2f')})"
 
 
 def config_cell(r: dict) -> str:
     """The launch config a record ran (params.cfg), where it says: the label leaves it out so that a kernel keeps
     one row when its default changes."""
-    cfg = get(r, "params.cfg")
-    if get(r, "params.changes") is not None:  # a bench_ab variant: the config keys it changed
-        return f"{get(r, 'params.module')}: {json.dumps(get(r, 'params.changes'))}"
+    cfg = KERNEL.params.cfg.get(r)
+    if KERNEL.params.changes.get(r) is not None:  # a bench_ab variant: the config keys it changed
+        return f"{KERNEL.params.module.get(r)}: {json.dumps(KERNEL.params.changes.get(r))}"
     return "—" if not cfg else " ".join(f"{k}={v}" for k, v in cfg.items())
 
 
@@ -740,37 +751,37 @@ def memory_section(memory: list[dict], out: Path) -> Section:
         s.blocks.append(NO_RECORDS)
         return s
     memory = sorted(memory, key=lambda r: r["time"])
-    measured = [r for r in memory if get(r, "results.measured_peak_bytes") is not None]
+    M = MEMORY.results
+    measured = [r for r in memory if M.measured_peak_bytes.get(r) is not None]
     if measured:
         fig, ax = plt.subplots(figsize=(10, 0.5 * len(measured) + 2.5))
         y = range(len(measured))
-        ax.barh([i - 0.2 for i in y], [get(r, "results.projected_bytes", 0) / GiB for r in measured], height=0.4,
+        ax.barh([i - 0.2 for i in y], [M.projected_bytes.get(r, 0) / GiB for r in measured], height=0.4,
                 label="projected peak")
-        ax.barh([i + 0.2 for i in y], [get(r, "results.measured_peak_bytes") / GiB for r in measured], height=0.4,
+        ax.barh([i + 0.2 for i in y], [M.measured_peak_bytes.get(r) / GiB for r in measured], height=0.4,
                 label="measured peak")
-        allowed = [(i, get(r, "results.free_before_bytes") - get(r, "results.floor_bytes"))
+        allowed = [(i, M.free_before_bytes.get(r) - M.floor_bytes.get(r))
                    for i, r in enumerate(measured)
-                   if get(r, "results.free_before_bytes") is not None and get(r, "results.floor_bytes") is not None]
+                   if M.free_before_bytes.get(r) is not None and M.floor_bytes.get(r) is not None]
         if allowed:
             ax.scatter([a / GiB for _, a in allowed], [i for i, _ in allowed], marker="|", s=900, color="red",
                        zorder=5, label="free before - floor (largest allowed peak)")
-        ax.set_yticks(list(y), [plot_text(f"{short_id(r)} {r['preset']} ctx {get(r, 'params.context', '?')}")
+        ax.set_yticks(list(y), [plot_text(f"{short_id(r)} {r['preset']} ctx {MEMORY.params.context.get(r, '?')}")
                                 for r in measured], fontsize=7)
         ax.set(xlabel="GiB", title="memory: projected vs measured peak")
         ax.invert_yaxis()
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         s.blocks.append(Figure(save(fig, out, "memory"), "memory projected vs measured", cite(measured)))
-    gib = lambda r, f: fmt(None if get(r, f"results.{f}") is None else get(r, f"results.{f}") / GiB, ".2f")
-    audit = lambda r: ("—" if get(r, "results.audit") is None else
-                       ("OK" if get(r, "results.audit.ok") else "FAILED")
-                       + f" ({fmt(get(r, 'results.audit.ratio'), '.3f')}x)")
+    gib = lambda r, f: fmt(None if f.get(r) is None else f.get(r) / GiB, ".2f")
+    audit = lambda r: ("—" if M.audit.get(r) is None else
+                       ("OK" if M.audit.ok.get(r) else "FAILED") + f" ({fmt(M.audit.ratio.get(r), '.3f')}x)")
     s.blocks.append(Table(
         ["record", "time", "machine", "commit", "preset", "context", "floor decision", "free before GiB", "floor GiB",
          "projected GiB", "measured GiB", "min free GiB", "audit (measured/projected)", "reasons"],
-        [[short_id(r), r["time"], machine(r), commit(r), str(r["preset"]), str(get(r, "params.context", "—")),
-          str(get(r, "results.decision", "—")), gib(r, "free_before_bytes"), gib(r, "floor_bytes"),
-          "—" if get(r, "results.decision") == "skipped" else gib(r, "projected_bytes"),  # no device to project
-          gib(r, "measured_peak_bytes"), gib(r, "min_free_bytes"), audit(r),
+        [[short_id(r), r["time"], machine(r), commit(r), str(r["preset"]), str(MEMORY.params.context.get(r, "—")),
+          str(M.decision.get(r, "—")), gib(r, M.free_before_bytes), gib(r, M.floor_bytes),
+          "—" if M.decision.get(r) == "skipped" else gib(r, M.projected_bytes),  # no device to project
+          gib(r, M.measured_peak_bytes), gib(r, M.min_free_bytes), audit(r),
           "; ".join(r["reasons"])] for r in memory], cite(memory)))
     return s
 
@@ -800,8 +811,8 @@ def build(loaded, out: Path) -> list[Section]:
         ("Speed history and regressions", lambda: history_section(of("bench"), out)),
         ("Gates", lambda: gates_section(of("gate_a", "gate_b"), out)),
         ("Decode time decomposition", lambda: decomposition_section(
-            [r for r in of("decomposition") if get(r, "params.phase", "decode") == "decode"
-             and not get(r, "params.variant")], out)),
+            [r for r in of("decomposition") if DECOMPOSITION.params.phase.get(r, "decode") == "decode"
+             and not DECOMPOSITION.params.variant.get(r)], out)),
         ("Kernel timings, ours vs peer", lambda: kernels_section(of("kernel"), out)),
         ("Memory audit", lambda: memory_section(of("memory"), out)),
         ("INVALID records", lambda: invalid_section(records)),

@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from records.store import get
+from records.schema import BENCH, GATE_A, GATE_B, KERNEL, MEMORY, RECORD, Field
 
 GPU = "NVIDIA H200"  # the box the issues' targets were set on (SPEC.md §4)
 RECENT = 5  # readings summarised beside the latest ("met in k of the last n")
@@ -36,7 +36,7 @@ class Target:
 
 
 def _on_gpu(r: dict) -> bool:
-    return str(get(r, "machine.gpu", "")).startswith(GPU)
+    return str(RECORD.machine.gpu.get(r, "")).startswith(GPU)
 
 
 def _oldest_first(records, keep: Callable[[dict], bool]) -> list[dict]:
@@ -46,13 +46,14 @@ def _oldest_first(records, keep: Callable[[dict], bool]) -> list[dict]:
 def _bench(records, phase: str, context: int, peer: str, impl: str) -> list[dict]:
     """The 48B's bf16 bench records of one phase, context, peer and implementation, on the H200, oldest first."""
     return _oldest_first(records, lambda r: (
-        r["kind"] == "bench" and _on_gpu(r) and r.get("preset") == "48b-a3b" and r.get("dtype") == "bfloat16"
-        and get(r, "params.phase") == phase and get(r, "params.context") == context
-        and get(r, "params.peer") == peer and get(r, "params.impl") == impl))
+        r["kind"] == "bench" and _on_gpu(r) and RECORD.preset.get(r) == "48b-a3b"
+        and RECORD.dtype.get(r) == "bfloat16" and BENCH.params.phase.get(r) == phase
+        and BENCH.params.context.get(r) == context and BENCH.params.peer.get(r) == peer
+        and BENCH.params.impl.get(r) == impl))
 
 
-def _figure(r: dict, field: str, bar: float, text: Callable[[float, dict], str]) -> Reading | None:
-    x = get(r, f"results.{field}")
+def _figure(r: dict, field: Field, bar: float, text: Callable[[float, dict], str]) -> Reading | None:
+    x = field.get(r)
     return None if x is None else Reading(x >= bar, text(x, r), (r,))
 
 
@@ -65,7 +66,7 @@ def _decode_1k(records):
 
 
 def _multiple(r: dict, bar: float) -> Reading | None:
-    ours, peer = get(r, "results.tok_s"), get(r, "results.peer_tok_s")
+    ours, peer = BENCH.results.tok_s.get(r), BENCH.results.peer_tok_s.get(r)
     if not ours or not peer:
         return None
     return Reading(ours / peer >= bar, f"{ours / peer:.2f}x ({ours:,.1f} against {peer:,.2f} tok/s)", (r,))
@@ -74,17 +75,18 @@ def _multiple(r: dict, bar: float) -> Reading | None:
 def _long_context(records) -> list[Reading]:
     """Decode at 128k against the 1k rate of the same run (params.run): one reading per run that made both."""
     by_run = defaultdict(dict)
+    tok_s, run = BENCH.results.tok_s, BENCH.params.run
     for r in _decode_1k(records) + _bench(records, "decode", 131072, "hf", "ours-graph"):
-        if get(r, "params.run") is not None and get(r, "results.tok_s"):
-            by_run[get(r, "params.run")][get(r, "params.context")] = r
+        if run.get(r) is not None and tok_s.get(r):
+            by_run[run.get(r)][BENCH.params.context.get(r)] = r
     out = []
-    for run in sorted(by_run, key=lambda k: max(r["time"] for r in by_run[k].values())):
-        pair = by_run[run]
+    for key in sorted(by_run, key=lambda k: max(r["time"] for r in by_run[k].values())):
+        pair = by_run[key]
         if 1024 in pair and 131072 in pair:
-            long, short = pair[131072], pair[1024]
-            share = long["results"]["tok_s"] / short["results"]["tok_s"]
-            out.append(Reading(share >= 0.8, f"{share:.1%} ({long['results']['tok_s']:,.1f} against "
-                                             f"{short['results']['tok_s']:,.1f} tok/s)", (long, short)))
+            long, short = tok_s.get(pair[131072]), tok_s.get(pair[1024])
+            share = long / short
+            out.append(Reading(share >= 0.8, f"{share:.1%} ({long:,.1f} against {short:,.1f} tok/s)",
+                               (pair[131072], pair[1024])))
     return out
 
 
@@ -93,42 +95,42 @@ def _gate_a(preset: str, device: str):
     can be rounding, which the gate's own noise-floor control measures, so bf16 runs are not the target's."""
     def select(records):
         return _oldest_first(records, lambda r: (
-            r["kind"] == "gate_a" and r.get("preset") == preset and r.get("device") == device
-            and r.get("dtype") == "float32" and (device == "cpu" or _on_gpu(r))))
+            r["kind"] == "gate_a" and RECORD.preset.get(r) == preset and RECORD.device.get(r) == device
+            and RECORD.dtype.get(r) == "float32" and (device == "cpu" or _on_gpu(r))))
 
     def read(r):
-        score, total = get(r, "results.score"), get(r, "results.total")
+        score, total = GATE_A.results.score.get(r), GATE_A.results.total.get(r)
         if score is None or not total:
             return None
-        experts = get(r, "params.expert_dtype")
+        experts = GATE_A.params.expert_dtype.get(r)
         return Reading(score == total, f"{score}/{total}" + (f" (routed experts {experts})" if experts else ""), (r,))
     return _each(select, read)
 
 
 def _gate_b_read(r: dict) -> Reading | None:
-    if get(r, "results.score") is None:
+    res = GATE_B.results
+    if res.score.get(r) is None:
         return None
-    diagnosed = get(r, "results.diagnoses") is not None  # one per diverging prompt; [] when none diverged
-    return Reading(diagnosed, f"{get(r, 'results.score')}/{get(r, 'results.total')}, "
-                              f"{len(get(r, 'results.diagnoses') or [])} diagnosis(es)"
-                              if diagnosed else "score without diagnoses", (r,))
+    diagnosed = res.diagnoses.get(r) is not None  # one per diverging prompt; [] when none diverged
+    return Reading(diagnosed, f"{res.score.get(r)}/{res.total.get(r)}, {len(res.diagnoses.get(r) or [])} "
+                              f"diagnosis(es)" if diagnosed else "score without diagnoses", (r,))
 
 
 _gate_b_hf = _each(lambda rs: _oldest_first(rs, lambda r: (
-    r["kind"] == "gate_b" and r.get("preset") == "48b-a3b" and _on_gpu(r)
-    and get(r, "params.golden_source") == "hf")), _gate_b_read)
+    r["kind"] == "gate_b" and RECORD.preset.get(r) == "48b-a3b" and _on_gpu(r)
+    and GATE_B.params.golden_source.get(r) == "hf")), _gate_b_read)
 
 
 def _memory_read(r: dict) -> Reading | None:
-    peak, projected = get(r, "results.measured_peak_bytes"), get(r, "results.projected_bytes")
+    peak, projected = MEMORY.results.measured_peak_bytes.get(r), MEMORY.results.projected_bytes.get(r)
     if not peak or not projected:
         return None
-    passed = bool(get(r, "results.passed"))
+    passed = bool(MEMORY.results.passed.get(r))
     return Reading(passed, f"peak {peak / projected:.3f}x the projection, {'passed' if passed else 'failed'}", (r,))
 
 
 _memory = _each(lambda rs: _oldest_first(rs, lambda r: (
-    r["kind"] == "memory" and r.get("preset") == "48b-a3b" and _on_gpu(r))), _memory_read)
+    r["kind"] == "memory" and RECORD.preset.get(r) == "48b-a3b" and _on_gpu(r))), _memory_read)
 
 
 KERNEL_SHAPE = {"B", "T", "H", "d"}  # what a kernel benchmark default record names beside its op
@@ -137,7 +139,7 @@ KERNEL_SHAPE = {"B", "T", "H", "d"}  # what a kernel benchmark default record na
 def variant_keys(r: dict) -> set[str]:
     """The parameter keys of a kernel record that name what ran, beyond the op: shape keys and variant keys alike
     (not the launch `cfg`, the sweep flag, the dtype, or the prose `*_scope` notes)."""
-    return {k for k in (r["params"] or {}) if k not in ("op", "kernel", "dtype", "cfg", "sweep")
+    return {k for k in KERNEL.params.get(r, {}) if k not in ("op", "kernel", "dtype", "cfg", "sweep")
             and not k.endswith("_scope")}
 
 
@@ -146,16 +148,16 @@ def _kernel(op: str, **shape):
     the shape (an A/B variant names what it changed, say `prep=blocked`)."""
     def select(records):
         return _oldest_first(records, lambda r: (
-            r["kind"] == "kernel" and _on_gpu(r) and get(r, "params.op") == op
-            and all(get(r, f"params.{k}") == v for k, v in shape.items())
-            and not get(r, "params.sweep") and variant_keys(r) <= KERNEL_SHAPE))
+            r["kind"] == "kernel" and _on_gpu(r) and KERNEL.params.op.get(r) == op
+            and all(KERNEL.params.field(k).get(r) == v for k, v in shape.items())
+            and not KERNEL.params.sweep.get(r) and variant_keys(r) <= KERNEL_SHAPE))
     return select
 
 
-def _faster(ours_field: str, peer_field: str, strict: bool, unit: str, scale: float, digits: int):
+def _faster(ours_field: Field, peer_field: Field, strict: bool, unit: str, scale: float, digits: int):
     """Ours against the peer in one record, both in ms, shown in `unit` (ms times `scale`)."""
     def read(r):
-        ours, peer = get(r, f"results.{ours_field}"), get(r, f"results.{peer_field}")
+        ours, peer = ours_field.get(r), peer_field.get(r)
         if not ours or not peer:
             return None
         return Reading(ours < peer if strict else ours <= peer,
@@ -165,10 +167,10 @@ def _faster(ours_field: str, peer_field: str, strict: bool, unit: str, scale: fl
 
 TARGETS = (
     Target("decode at 1k context", 5, ">= 375 tok/s",
-           _each(_decode_1k, lambda r: _figure(r, "tok_s", 375, lambda x, r: f"{x:,.1f} tok/s"))),
+           _each(_decode_1k, lambda r: _figure(r, BENCH.results.tok_s, 375, lambda x, r: f"{x:,.1f} tok/s"))),
     Target("decode at 1k: share of the roofline", 5, ">= 55%",
-           _each(_decode_1k, lambda r: _figure(r, "roofline_fraction", 0.55, lambda x, r: (
-               f"{x:.1%} (HBM {get(r, 'results.hbm_gbps', 0):,.0f} GB/s)")))),
+           _each(_decode_1k, lambda r: _figure(r, BENCH.results.roofline_fraction, 0.55, lambda x, r: (
+               f"{x:.1%} (HBM {BENCH.results.hbm_gbps.get(r, 0):,.0f} GB/s)")))),
     Target("decode at 1k against HF transformers, same run", 5, ">= 40x",
            _each(_decode_1k, lambda r: _multiple(r, 40))),
     Target("decode at 128k against the 1k rate, same run", 5, ">= 80%", _long_context),
@@ -179,13 +181,14 @@ TARGETS = (
     Target("memory gate audit at 48B-A3B", 5, "passes", _memory),
     Target("Gate A on tiny (CPU), fp32", 4, "128/128", _gate_a("tiny", "cpu")),
     Target("KDA chunk prefill at T=8192 against fla 0.6.0", 4, "ours <= fla",
-           _each(_kernel("chunk_kda", T=8192, H=32, d=128), _faster("ours_ms", "peer_ms", False, "ms", 1.0, 3))),
+           _each(_kernel("chunk_kda", T=8192, H=32, d=128),
+                 _faster(KERNEL.results.ours_ms, KERNEL.results.peer_ms, False, "ms", 1.0, 3))),
     Target("KDA decode step at batch 1 against fla's call alone (CUDA graph)", 4, "ours < fla",
            _each(_kernel("kda_decode_step", B=1, H=32, d=128),
-                 _faster("ours_graph_ms", "peer_graph_ms", True, "us", 1000.0, 2))),
+                 _faster(KERNEL.results.ours_graph_ms, KERNEL.results.peer_graph_ms, True, "us", 1000.0, 2))),
     Target("KDA decode step at batch 64 against fla's call alone (CUDA graph)", 4, "ours < fla",
            _each(_kernel("kda_decode_step", B=64, H=32, d=128),
-                 _faster("ours_graph_ms", "peer_graph_ms", True, "us", 1000.0, 2))),
+                 _faster(KERNEL.results.ours_graph_ms, KERNEL.results.peer_graph_ms, True, "us", 1000.0, 2))),
 )
 
 
@@ -213,7 +216,7 @@ class Status:
 
 def judge(records: list[dict], targets=TARGETS) -> list[Status]:
     """Each target's latest reading and its recent ones, from VALID records (any kinds, in any order)."""
-    valid = [r for r in records if r.get("verdict") == "VALID"]
+    valid = [r for r in records if RECORD.verdict.get(r) == "VALID"]
     out = []
     for t in targets:
         rs = t.readings(valid)

@@ -125,7 +125,7 @@ def test_sampler_trips_mid_run_and_check_raises(tmp_path):
     def on_trip(message):  # what a gate does: leave a record behind before the run stops
         trips.append(message)
         append(make_record("memory", preset="48b-a3b", dtype="bfloat16", device="cuda:0", weights="w",
-                           params={"floor_bytes": FLOOR}, results={"tripped": True},
+                           params={"floor_gib": FLOOR / GiB}, results={"decision": "tripped", "passed": False},
                            verdict="INVALID", reasons=[message]), root=tmp_path)
 
     reader = _scripted_reader([40 * GiB] * 5 + [30 * GiB] * 5 + [14 * GiB])

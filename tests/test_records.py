@@ -54,7 +54,8 @@ def test_records_dir_from_env(tmp_path, monkeypatch):
 def _append_many(root: str, worker: int, n: int) -> None:
     for i in range(n):
         append(make_record("bench", preset="tiny", dtype="bfloat16", device="cpu", weights="w",
-                           params={"worker": worker, "i": i}, results={"pad": "x" * 300}), root=root)
+                           params={"phase": "decode", "context": 128, "run": f"worker{worker}", "batch": i},
+                           results={"tok_s": 1.0, "roofline_note": "x" * 300}), root=root)
 
 
 def test_two_processes_append_whole_lines(tmp_path):
@@ -71,7 +72,7 @@ def test_two_processes_append_whole_lines(tmp_path):
     assert got.problems == []
     assert len({r["id"] for r in got.records}) == 2000
     for w in range(2):  # each writer's records all arrived, in its own order
-        mine = [r["params"]["i"] for r in got.records if r["params"]["worker"] == w]
+        mine = [r["params"]["batch"] for r in got.records if r["params"]["run"] == f"worker{w}"]
         assert mine == list(range(1000))
 
 
@@ -178,7 +179,8 @@ def test_import_run_appends_what_is_new_attributed_to_the_sent_commit(tmp_path, 
     from records import import_run
     box, here = tmp_path / "box", tmp_path / "here"
     shared, new_a, new_b = _bench(tok_s=1.0), _bench(tok_s=2.0), make_record(
-        "kernel", preset=None, dtype="bfloat16", device="H200", weights=None, params={"op": "x"}, results={})
+        "kernel", preset=None, dtype="bfloat16", device="H200", weights=None, params={"op": "x"},
+        results={"ours_ms": 1.0})
     for r in (shared, new_a, new_b):
         append(r, root=box)
     append(shared, root=here)
@@ -212,7 +214,7 @@ def test_import_run_writes_nothing_when_one_record_cannot_be_written(tmp_path, c
         f.write(json.dumps(_bench(tok_s=3.0) | {"results": {"tok_s": float("nan")}}) + "\n")
     append(good[1], root=box)
     append(make_record("kernel", preset=None, dtype="bfloat16", device="cuda", weights=None, params={"op": "x"},
-                       results={}), root=box)
+                       results={"ours_ms": 1.0}), root=box)
     got = load(root=box)
     assert len(got.records) == 3 and len(got.problems) == 1 and "holds a NaN or inf" in got.problems[0]
     (here / "kernel.jsonl").mkdir(parents=True)            # the kernel records cannot be appended
@@ -248,7 +250,8 @@ def test_import_run_brings_the_trace_a_record_names(tmp_path, capsys):
     (tmp_path / "box" / "reports" / "traces" / "t1.json.gz").chmod(0o4777)   # an odd mode is not carried over
     for trace in ("reports/traces/t1.json.gz", "reports/traces/missing.json.gz"):
         append(make_record("decomposition", preset=None, dtype=None, device="cuda", weights=None,
-                           params={"phase": "prefill"}, results={"trace": trace}), root=box)
+                           params={"phase": "prefill", "context": 8192},
+                           results={"shares": {"gemm": 1.0}, "trace": trace}), root=box)
     assert import_run.main([str(box), "--commit", _head(), "--note", "run 8", "--root", str(here)]) == 0
     err = capsys.readouterr().err
     copied = tmp_path / "here" / "reports" / "traces" / "t1.json.gz"

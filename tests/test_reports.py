@@ -11,6 +11,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
+from records.store import RecordError as StoreRecordError
 from records.store import append, load, make_record
 from reports import render
 
@@ -209,12 +210,17 @@ def test_a_section_that_loses_its_records_drops_its_stale_figure(tmp_path):
 
 
 def test_records_missing_fields_are_named_not_drawn(tmp_path):
+    """A VALID record of schema 1 could lack what the report draws (schema 2 refuses one): it is named, not drawn."""
     good = make_record("bench", preset="tiny", dtype="float32", device="cpu", weights="w",
                        params={"phase": "decode", "context": 128}, results={"tok_s": 50.0})
     lacking = make_record("bench", preset="tiny", dtype="float32", device="cpu", weights="w",
                           params={"phase": "decode"}, results={"tok_s": 50.0})
     no_total = make_record("gate_a", preset="tiny", dtype="float32", device="cpu", weights="w", params={},
                            results={"score": 3, "passed": False})
+    for r in (lacking, no_total):
+        with pytest.raises(StoreRecordError, match="is VALID without"):
+            append(r, root=tmp_path / "records")
+    lacking, no_total = dict(lacking, schema=1), dict(no_total, schema=1)
     for r in (good, lacking, no_total):
         append(r, root=tmp_path / "records")
     sections = {s.title: s for s in render.render(tmp_path / "records", tmp_path / "out")}
