@@ -32,7 +32,8 @@ KERNELS ?=
 GATE_FLAGS = $(if $(PRESET),--preset $(PRESET)) $(if $(MODEL),--model $(MODEL)) $(if $(DTYPE),--dtype $(DTYPE)) \
   $(if $(EXPERT_DTYPE),--expert-dtype $(EXPERT_DTYPE)) \
   $(if $(DEVICE),--device $(DEVICE)) $(if $(NEW_TOKENS),--new-tokens $(NEW_TOKENS)) \
-  $(if $(FLOOR_GIB),--floor-gib $(FLOOR_GIB)) $(if $(SEED),--seed $(SEED)) $(if $(KERNELS),--kernels $(KERNELS))
+  $(if $(FLOOR_GIB),--floor-gib $(FLOOR_GIB)) $(if $(SEED),--seed $(SEED)) $(if $(KERNELS),--kernels $(KERNELS)) \
+  $(if $(WORLD),--world $(WORLD))
 
 .PHONY: setup test test-slow test-gpu gate-a gate-b gate-memory golden bench bench-kernels decompose report nightly \
   train-reference clean

@@ -1,13 +1,18 @@
 """python -m gates {gate-a,gate-b,gate-memory,golden} [flags]
 
 Flags only: this CLI reads no environment variables (the Makefile maps PRESET, MODEL, DTYPE, EXPERT_DTYPE,
-DEVICE, NEW_TOKENS, FLOOR_GIB, SOURCE, GOLDEN to the flags of the same meaning). Defaults: see gates/run.py.
+DEVICE, NEW_TOKENS, FLOOR_GIB, SOURCE, GOLDEN, WORLD to the flags of the same meaning). Defaults: see gates/run.py.
 Records go to records/<kind>.jsonl (records/store.py decides where; KIMI_RECORDS_DIR moves them).
+
+--world N (gate-a, gate-b, gate-memory): split the routed experts over N ranks, which the command starts itself,
+one process (on CUDA one GPU) each; rank 0 prints and records, and its exit code is the run's (gates/ranks.py).
+Without it: one process on a CPU; on CUDA as few ranks as hold the model with the floor (gates/run.py).
 
 Exit codes (docs/EXIT_CODES.md): 0 the gate holds (or the memory gate SKIPs: no GPU; or the golden is written);
 1 it fails on valid inputs; 2 it could not judge (bad arguments or input, refused by the memory floor, a golden
 for other weights/prompts, records that cannot be written, or a crash, its traceback printed; a gate's crash is
-still recorded, INVALID, with the exception, where the records folder can be written).
+still recorded, INVALID, with the exception, where the records folder can be written; over several ranks, a rank
+that crashes or outlives --rank-timeout-s, named).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from records import store
 from .golden import GOLDEN_DIR, check_golden_writable, golden_name, make_golden, write_golden
 from .memory import MemoryFloorError
 from .prompts import DEFAULT_NEW_TOKENS
+from .ranks import DEFAULT_RANK_TIMEOUT_S, RankFailed, check_rank_timeout, first_line, run_ranks
 from .run import (DEFAULT_FLOOR_GIB, DEVICES, DTYPES, EXIT_PASS, EXIT_REFUSED, KERNELS, RECORD_KINDS, SOURCES,
                   GateRefused, Options, battery_for, context_len, floor_guard, limit_cpu_threads, load_subject,
                   refused, resolve)
@@ -58,7 +64,14 @@ def parser() -> argparse.ArgumentParser:
     make_golden_ = argparse.ArgumentParser(add_help=False)
     make_golden_.add_argument("--golden", metavar="PATH", help="where to write it (default: gates/goldens/<name>)")
     make_golden_.add_argument("--source", choices=SOURCES, default="hf", help="who generates it (hf)")
-    own = {"gate-b": [use_golden], "golden": [make_golden_]}
+    ranks = argparse.ArgumentParser(add_help=False)
+    ranks.add_argument("--world", type=int, metavar="N",
+                       help="split the routed experts over N ranks, one process (on CUDA one GPU) each (default: 1 "
+                            "on a CPU; on CUDA as few as hold the model with the floor, see gates/run.py)")
+    ranks.add_argument("--rank-timeout-s", type=float, default=DEFAULT_RANK_TIMEOUT_S, metavar="S",
+                       help=f"with N > 1: seconds the ranks may run, and one collective may wait, before they are "
+                            f"stopped ({DEFAULT_RANK_TIMEOUT_S:g})")
+    own = {"gate-a": [ranks], "gate-b": [use_golden, ranks], "gate-memory": [ranks], "golden": [make_golden_]}
     ap = argparse.ArgumentParser(prog="python -m gates", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -132,17 +145,33 @@ def main(argv: list[str] | None = None) -> int:
     kind = RECORD_KINDS.get(args.command)
     try:
         source = getattr(args, "source", "hf")
+        timeout_s = check_rank_timeout(getattr(args, "rank_timeout_s", DEFAULT_RANK_TIMEOUT_S))
+        # the gates spread over ranks, the world following the box unless --world says; a golden runs in one process
         opts = resolve(preset=args.preset, model=args.model, dtype=args.dtype, device=args.device,
                        new_tokens=args.new_tokens, floor_gib=args.floor_gib, source=source,
                        golden=getattr(args, "golden", None), seed=args.seed, kernels=args.kernels,
-                       expert_dtype=args.expert_dtype, exact=exact_precision(args.command, source))
+                       expert_dtype=args.expert_dtype, exact=exact_precision(args.command, source),
+                       world=getattr(args, "world", 1),
+                       log=lambda line: None)  # a default world is said in the ranks' first line and recorded
         if kind is not None:
             store.ensure_writable(kind)   # a run whose record cannot be kept is refused before it starts
         limit_cpu_threads(opts)
+        if opts.world > 1 and not (args.command == "gate-memory" and opts.device == "cpu"):
+            return run_ranks(args.command, opts, timeout_s)
+        if opts.world > 1:  # the memory gate skips on a CPU: no ranks to start for that
+            print(first_line(args.command, opts))
         return run_command(args.command, opts)
     except store.RecordsUnwritable as e:
         print(f"error: {e}: the run cannot be recorded, so it gives no verdict", file=sys.stderr)
         return EXIT_REFUSED
+    except RankFailed as e:  # a rank crashed, died or hung: its traceback, then the one line naming it, recorded
+        if e.detail:
+            print(e.detail.strip(), file=sys.stderr)
+        try:
+            return refused(kind, opts, str(e)[:CRASH_MESSAGE_CHARS])
+        except store.RecordsUnwritable as unwritable:
+            print(f"error: {e}; it could not be recorded: {unwritable}", file=sys.stderr)
+            return EXIT_REFUSED
     except (ValueError, GateRefused, MemoryFloorError) as e:  # config, checkpoint, tokenizer, golden errors are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REFUSED

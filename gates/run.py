@@ -14,8 +14,12 @@ Defaults (the CLI reads no environment variables; the Makefile maps its variable
   across commits; HF cannot make that golden on one GPU. `--dtype bf16` still runs either gate in bf16 (Gate B
   then against the HF bf16 golden; the diagnosis says near-tie or real);
 - expert dtype: the model dtype, except as above (`--expert-dtype`);
-- preset (without --model): `tiny` on a CPU; on CUDA `48b-a3b` when the GPU's free memory (NVML) holds its
-  projected peak plus the floor, else `tiny` (the reason is printed).
+- preset (without --model): `tiny` on a CPU, `48b-a3b` on CUDA (`--preset tiny` runs tiny there);
+- world (the ranks the routed experts are split over, `model.parallel`; `--world`): 1 on a CPU; on CUDA, where the
+  command spreads (`world=None`), 1 when GPU 0's free memory (NVML) holds the model's projected peak plus the floor,
+  else the fewest ranks, one a GPU, that split the experts evenly and leave each GPU the floor
+  (`gates.memory.choose_world`); a box on which no number of its GPUs would refuses, saying what would. Without an
+  NVML reading, 1 (the floor guard then refuses for want of a reading).
 
 The model under test comes from `model.build.load_model`; its weights id (`model.weights.weights_id`) is
 the same for any dtype of checkpoint-valued weights, so a golden made in fp64 judges the fp32 and bf16 runs
@@ -24,6 +28,7 @@ of the same weights.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -31,13 +36,16 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from model.build import Loaded as Subject, is_small, load_model
 from model.config import KimiConfig, get_config
+from model.parallel import ExpertParallel
 from records import store
 
-from .memory import (FloorDecision, FloorSampler, GiB, MemReading, Projection, check_floor,
-                     project_peak, read_device_memory)
+from .memory import (FloorDecision, FloorSampler, GiB, MemoryFloorError, MemReading, Projection, check_floor,
+                     check_world, choose_world, gpu_links, nvml_index, project_peak, read_device_memory,
+                     visible_gpu_memory)
 from .prompts import DEFAULT_NEW_TOKENS, Battery, battery
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -79,6 +87,9 @@ class Options:
     seed: int
     kernels: str
     expert_dtype: str | None = None  # a key of DTYPES: the routed experts' dtype when not the model's
+    world: int = 1  # ranks the routed experts are split over (`model.parallel`), one process each
+    experts_per_rank: int | None = None  # routed experts each rank holds, with world > 1
+    world_choice: str | None = None  # why the default world was chosen, where it was (on CUDA)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -133,9 +144,13 @@ def check_seed(seed) -> int:
 
 def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT_NEW_TOKENS,
             floor_gib=DEFAULT_FLOOR_GIB, source="hf", golden=None, seed=0, kernels="auto", expert_dtype=None,
-            exact: bool = False, reader: Callable[[], MemReading | None] = read_device_memory, log=print) -> Options:
-    """Fill in the defaults (module docstring; `exact`: the token-exact commands', gates.__main__.EXACT_COMMANDS)
-    and refuse impossible combinations."""
+            exact: bool = False, world: int | None = 1,
+            readings: Callable[[], list[MemReading | None]] | None = None,
+            reader: Callable[[], MemReading | None] | None = None, log=print) -> Options:
+    """Fill in the defaults (module docstring; `exact`: the token-exact commands', gates.__main__.EXACT_COMMANDS;
+    `world=None`: chosen by the box, for the commands that spread over ranks) and refuse impossible combinations.
+    `readings`: each visible GPU's free memory (default `gates.memory.visible_gpu_memory`); `reader`: instead, one
+    GPU's. `log`: where the reason for a default world chosen on CUDA is said."""
     if preset is not None and model is not None:
         raise ValueError("give --preset or --model, not both")
     if model is not None and (not isinstance(model, str) or not model.strip()):
@@ -165,27 +180,46 @@ def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT
         raise ValueError(f"--kernels {kernels!r}: expected one of {KERNELS}")
     if kernels == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("--kernels triton on a CPU runs Triton's interpreter: set TRITON_INTERPRET=1 (or --kernels torch)")
+    if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
+        raise ValueError(f"--world must be a positive integer, got {world!r}")
     if model is None and preset is None:
-        preset = _default_preset(device, DTYPES[dtype], expert_dtype and DTYPES[expert_dtype], new_tokens,
-                                 floor_gib, reader, log)
+        preset = "tiny" if device == "cpu" else "48b-a3b"
     if preset is not None:
         get_config(preset)  # unknown names fail here, with the list of presets
+    if world is None and device == "cpu":
+        world = 1
+    choice = None
+    if world != 1:
+        cfg = get_config(model if model else preset)
+        if world is None:
+            free = readings() if readings else [reader()] if reader else visible_gpu_memory()
+            world, choice = default_world(cfg, model, DTYPES[dtype], expert_dtype and DTYPES[expert_dtype],
+                                          new_tokens, floor_gib, free)
+            if choice:
+                log(f"default world {world}: {choice}")
+        check_world(world, cfg.num_experts)
+        gpus = torch.cuda.device_count() if device == "cuda" else None
+        if gpus is not None and world > gpus:
+            raise ValueError(f"--world {world}: each rank computes on a GPU of its own, and torch sees {gpus} CUDA "
+                             f"device{'s' if gpus != 1 else ''}")
+    per_rank = cfg.num_experts // world if world > 1 else None
     return Options(preset, model, dtype, device, new_tokens, float(floor_gib), source, golden, seed, kernels,
-                   expert_dtype)
+                   expert_dtype, world, per_rank, choice)
 
 
-def _default_preset(device, dtype, expert_dtype, new_tokens, floor_gib, reader, log) -> str:
-    if device == "cpu":
-        return "tiny"
-    big = get_config("48b-a3b")
-    need = project_peak(big, dtype, 1, context_len(battery(big), new_tokens),
-                        expert_dtype=expert_dtype).total + floor_gib * GiB
-    r = reader()
-    if r is not None and r.free >= need:
-        return "48b-a3b"
-    have = "no NVML reading" if r is None else f"free {r.free / GiB:.1f} GiB"
-    log(f"default preset: tiny ({have}; 48b-a3b needs {need / GiB:.1f} GiB incl. the floor)")
-    return "tiny"
+def default_world(cfg: KimiConfig, model: str | None, dtype: torch.dtype, expert_dtype: torch.dtype | None,
+                  new_tokens: int, floor_gib: float, free: list[MemReading | None]) -> tuple[int, str | None]:
+    """The number of ranks a CUDA run spreads over by default (module docstring), and why; 1 without a reading of
+    every visible GPU."""
+    if not free or any(r is None for r in free):
+        return 1, None
+    context = context_len(battery(cfg, model), new_tokens)
+    floor = int(floor_gib * GiB)
+
+    def need(world: int) -> int:
+        return project_peak(cfg, dtype, 1, context, expert_dtype=expert_dtype, world=world).total + floor
+    what = Path(model).resolve().name if model else cfg.name
+    return choose_world(what, need, cfg.num_experts, [r.free for r in free])
 
 
 # ---- the model under test ------------------------------------------------------------------------
@@ -199,13 +233,74 @@ def limit_cpu_threads(opts: Options) -> None:
 
 
 def load_subject(opts: Options) -> Subject:
-    """The model under test, as `model.build.load_model` makes it for these options."""
-    return load_model(opts.preset if opts.model is None else None, opts.model, device=opts.device,
-                      dtype=opts.torch_dtype, seed=opts.seed, expert_dtype=opts.torch_expert_dtype)
+    """The model under test, as `model.build.load_model` makes it for these options; with `world` > 1, this rank's
+    share of it (a collective: every rank of the process group loads at once), on its own GPU on CUDA."""
+    ep, device = None, opts.device
+    if opts.world > 1:
+        ep = ExpertParallel.of(opts.config.num_experts)
+        if ep.world != opts.world:
+            raise RuntimeError(f"the options say {opts.world} ranks; the process group has {ep.world}")
+        if opts.device == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())  # cuda:LOCAL_RANK (`model.parallel.init`)
+    return load_model(opts.preset if opts.model is None else None, opts.model, device=device,
+                      dtype=opts.torch_dtype, seed=opts.seed, expert_dtype=opts.torch_expert_dtype, ep=ep)
 
 
 def battery_for(opts: Options) -> Battery:
     return battery(opts.config, opts.model)
+
+
+# ---- the ranks of a run over several processes ---------------------------------------------------
+
+def group_size() -> int:
+    """The ranks of this run's process group (`model.parallel.init`); 1 in one process."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def group_rank() -> int:
+    return dist.get_rank() if group_size() > 1 else 0
+
+
+def gather(x) -> list:
+    """x of every rank, in rank order (a collective); [x] in one process."""
+    if group_size() == 1:
+        return [x]
+    out = [None] * group_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether flag holds on any rank (one small all_reduce); flag in one process."""
+    if group_size() == 1:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def agree(why: str | None) -> None:
+    """Every rank's check at once (a collective): GateRefused on every rank where any failed, naming each rank
+    that did, so that no rank goes on to load alone and wait for the others in the first collective."""
+    whys = gather(why)
+    failed = [w if len(whys) == 1 else f"rank {r}: {w}" for r, w in enumerate(whys) if w]
+    if failed:
+        raise GateRefused("; ".join(failed))
+
+
+def check_every_rank(sampler: FloorSampler) -> None:
+    """`FloorSampler.check` over the ranks: where any rank's sampler tripped (or broke), every rank raises
+    MemoryFloorError naming those ranks, so that all stop at the same step."""
+    if not any_rank(sampler.tripped.is_set() or sampler.error is not None):
+        return
+    try:
+        sampler.check()
+        why = None
+    except RuntimeError as e:  # MemoryFloorError, or a sampler that could not read
+        why = str(e)
+    whys = gather(why)
+    raise MemoryFloorError("; ".join(f"rank {r}: {w}" for r, w in enumerate(whys) if w))
 
 
 # ---- the memory floor ----------------------------------------------------------------------------
@@ -218,7 +313,9 @@ class Guard:
     sampler: FloorSampler | None
 
     def step_hook(self):
-        return None if self.sampler is None else self.sampler.check
+        if self.sampler is None:
+            return None
+        return self.sampler.check if group_size() == 1 else functools.partial(check_every_rank, self.sampler)
 
     def results(self) -> dict:
         s = self.sampler
@@ -233,7 +330,7 @@ class Guard:
 
 def cuda_reader() -> Callable[[], MemReading | None]:
     """NVML reader for the CUDA device torch uses (asking torch which one creates the CUDA context)."""
-    index = torch.cuda.current_device()
+    index = nvml_index(torch.cuda.current_device())
     return lambda: read_device_memory(index)
 
 
@@ -241,32 +338,38 @@ def cuda_reader() -> Callable[[], MemReading | None]:
 def floor_guard(opts: Options, context: int, reader: Callable[[], MemReading | None] | None = None,
                 log=print):
     """On CUDA (or with an injected reader): refuse before loading when the projected peak would leave less
-    than the floor, then watch free memory while the block runs. On a CPU without a reader: nothing."""
+    than the floor, then watch free memory while the block runs. On a CPU without a reader: nothing. Over several
+    ranks each checks and watches its own GPU, and all refuse or stop together (`agree`, `check_every_rank`)."""
     if reader is None and opts.device != "cuda":
         yield Guard(None, None, None)
         return
     reader = reader or cuda_reader()
     projection = project_peak(opts.config, opts.torch_dtype, 1, context, device=opts.device,
-                              expert_dtype=opts.torch_expert_dtype)
+                              expert_dtype=opts.torch_expert_dtype, world=opts.world)
     reading = reader()
-    if reading is None:
-        raise GateRefused("no device memory reading (NVML): the memory floor cannot be checked")
-    decision = check_floor(projection, opts.floor_bytes, reading)
-    if not decision.ok:
-        raise GateRefused(decision.message)
+    decision = None if reading is None else check_floor(projection, opts.floor_bytes, reading)
+    agree("no device memory reading (NVML): the memory floor cannot be checked" if decision is None
+          else None if decision.ok else decision.message)
     log(decision.message)
     trip = lambda msg: print(f"ABORTING: {msg}", file=sys.stderr, flush=True)
     with FloorSampler(opts.floor_bytes, reader=reader, on_trip=trip) as sampler:
-        yield Guard(projection, decision, sampler)
+        guard = Guard(projection, decision, sampler)
+        yield guard
+        if group_size() > 1:
+            check_every_rank(sampler)  # a trip after the last step stops every rank, not only its own
 
 
 # ---- records -------------------------------------------------------------------------------------
 
 def record(kind: str, opts: Options, weights: str | None, params: dict, results: dict, reasons=(),
-           valid: bool = True, records_root=None) -> Path:
-    """Append one gate record; the options are kept in `params` next to the gate's own."""
+           valid: bool = True, records_root=None) -> Path | None:
+    """Append one gate record; the options are kept in `params` next to the gate's own. Over several ranks rank 0
+    alone keeps it (None on the others), with each rank's GPU and the links between them on CUDA."""
+    if group_rank() != 0:
+        return None
+    gpus = (gpu_links(range(opts.world)) or {}) if opts.world > 1 and opts.device == "cuda" else {}
     rec = store.make_record(kind, preset=opts.preset or opts.label, dtype=str(opts.torch_dtype).removeprefix("torch."),
-                            device=opts.device, weights=weights, params={**asdict(opts), **params},
+                            device=opts.device, weights=weights, params={**asdict(opts), **gpus, **params},
                             results=results, verdict="VALID" if valid else "INVALID", reasons=list(reasons))
     return store.append(rec, root=records_root)
 

@@ -286,10 +286,12 @@ def spawn(fn, world: int, args: tuple = (), device: str = "cpu", timeout_s: floa
                 got[rank] = blob
             done = ctx.join(timeout=0.05)
             if not done and time.monotonic() > deadline:
+                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]  # process r is rank r
                 for p in ctx.processes:
                     if p.is_alive():
                         p.terminate()
-                raise TimeoutError(f"{world} ranks did not finish within {timeout_s:g} s")
+                raise TimeoutError(f"{world} ranks did not finish within {timeout_s:g} s; still running: rank"
+                                   f"{'s' if len(alive) > 1 else ''} {', '.join(map(str, alive))}")
         while not results.empty():
             rank, blob = results.get()
             got[rank] = blob

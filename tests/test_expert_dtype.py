@@ -127,20 +127,24 @@ def test_hf_golden_refuses_held_apart_experts(tmp_path):
     assert not (tmp_path / "g.json").exists()
 
 
-@pytest.mark.parametrize("exact, free_gib, preset", [(True, 120, "48b-a3b"), (True, 105, "tiny"),
-                                                     (False, 110, "48b-a3b"), (False, 105, "tiny")])
-def test_default_preset_on_cuda_follows_the_projection_at_the_gates_precision(monkeypatch, exact, free_gib, preset):
-    """Without --preset a GPU gets 48b-a3b only when NVML's free memory holds the projected peak at the gate's
-    precision plus the floor: ~97 GiB + 15 for Gate A (fp32, experts bf16), ~93 GiB + 15 for the bf16 gates."""
-    from gates.memory import MemReading
+@pytest.mark.parametrize("exact, free_gib, fits", [(True, 120, True), (True, 105, False), (False, 110, True),
+                                                   (False, 105, False)])
+def test_default_on_one_cuda_gpu_follows_the_projection_at_the_gates_precision(monkeypatch, exact, free_gib, fits):
+    """Without --preset a GPU runs 48b-a3b in one process when NVML's free memory holds the projected peak at the
+    gate's precision plus the floor: ~97 GiB + 15 for Gate A (fp32, experts bf16), ~93 GiB + 15 for the bf16 gates.
+    Where it does not, the run is refused, saying how many such GPUs would hold it (no silent fallback to tiny)."""
+    from gates.memory import MemReading, WorldRefused
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    said = []
-    opts = resolve(device="cuda", exact=exact, log=said.append,
-                   reader=lambda: MemReading(total=140 * GiB, free=free_gib * GiB, source="simulated"))
-    assert opts.preset == preset
-    assert (preset == "tiny") == any("default preset: tiny" in s for s in said)
-    none = resolve(device="cuda", exact=exact, log=said.append, reader=lambda: None)
-    assert none.preset == "tiny" and "no NVML reading" in said[-1]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    readings = lambda: [MemReading(total=140 * GiB, free=free_gib * GiB, source="simulated")]
+    if fits:
+        opts = resolve(device="cuda", exact=exact, world=None, readings=readings)
+        assert (opts.preset, opts.world) == ("48b-a3b", 1)
+    else:
+        with pytest.raises(WorldRefused, match=f"this box has 1 x {free_gib}.0 GiB free; 2 such GPUs would hold it"):
+            resolve(device="cuda", exact=exact, world=None, readings=readings)
+    none = resolve(device="cuda", exact=exact, world=None, readings=lambda: [None])
+    assert (none.preset, none.world) == ("48b-a3b", 1)  # no reading: the floor guard refuses for want of one
 
 
 def test_gate_b_on_cuda_defaults_to_the_committed_self_golden(monkeypatch):
