@@ -16,8 +16,8 @@ endif
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 export PYTHONUNBUFFERED := 1
 
-# Gate/benchmark knobs (empty = the CLI's own default: tiny on a CPU; on a GPU 48b-a3b, the gates only where it
-# fits with the floor).
+# Gate/benchmark knobs (empty = the CLI's own default: the gates on a CPU gate the reference checkpoint, on a GPU
+# 48b-a3b over as few GPUs as hold it, else they refuse; the benchmarks run tiny on a CPU, 48b-a3b on a GPU).
 PRESET ?=
 MODEL ?=
 DTYPE ?=

@@ -14,7 +14,8 @@ Defaults (the CLI reads no environment variables; the Makefile maps its variable
   across commits; HF cannot make that golden on one GPU. `--dtype bf16` still runs either gate in bf16 (Gate B
   then against the HF bf16 golden; the diagnosis says near-tie or real);
 - expert dtype: the model dtype, except as above (`--expert-dtype`);
-- preset (without --model): `tiny` on a CPU, `48b-a3b` on CUDA (`--preset tiny` runs tiny there);
+- model (without --preset or --model): on a CPU the trained reference checkpoint `checkpoints/kimi-linear-ref`
+  (`tiny` where a checkout lacks it), on CUDA the `48b-a3b` preset (`--preset tiny` runs tiny there);
 - world (the ranks the routed experts are split over, `model.parallel`; `--world`): 1 on a CPU; on CUDA, where the
   command spreads (`world=None`), 1 when GPU 0's free memory (NVML) holds the model's projected peak plus the floor,
   else the fewest ranks, one a GPU, that split the experts evenly and leave each GPU the floor
@@ -142,6 +143,18 @@ def check_seed(seed) -> int:
     return seed
 
 
+REFERENCE_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "kimi-linear-ref"
+
+
+def default_cpu_model() -> str | None:
+    """The CPU default: the suite's trained reference checkpoint (docs/REFERENCE.md), named relative to the working
+    folder where it lies under it (so records name no machine's path); None where the checkout lacks it."""
+    if not REFERENCE_CHECKPOINT.is_dir():
+        return None
+    rel = os.path.relpath(REFERENCE_CHECKPOINT)
+    return str(REFERENCE_CHECKPOINT) if rel.startswith("..") else rel
+
+
 def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT_NEW_TOKENS,
             floor_gib=DEFAULT_FLOOR_GIB, source="hf", golden=None, seed=0, kernels="auto", expert_dtype=None,
             exact: bool = False, world: int | None = 1,
@@ -183,7 +196,8 @@ def resolve(preset=None, model=None, dtype=None, device=None, new_tokens=DEFAULT
     if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
         raise ValueError(f"--world must be a positive integer, got {world!r}")
     if model is None and preset is None:
-        preset = "tiny" if device == "cpu" else "48b-a3b"
+        model = default_cpu_model() if device == "cpu" else None
+        preset = None if model else "tiny" if device == "cpu" else "48b-a3b"
     if preset is not None:
         get_config(preset)  # unknown names fail here, with the list of presets
     if world is None and device == "cpu":

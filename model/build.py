@@ -82,7 +82,7 @@ def load_model(preset: str | None = None, checkpoint: str | None = None, *, devi
             cfg, state = load_checkpoint(checkpoint, device=device, dtype=dtype, expert_dtype=expert_dtype)
         else:
             cfg, state = load_checkpoint_shard(checkpoint, ep, device=device, dtype=dtype, expert_dtype=expert_dtype)
-        source = str(Path(checkpoint).resolve())
+        source = str(checkpoint)  # as the caller named it: a record keeps no path the user did not give
     else:
         cfg = get_config(preset)
         state = synthetic_weights(cfg, seed=seed, device="cpu" if is_small(cfg) else device, dtype=dtype,

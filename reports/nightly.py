@@ -2,9 +2,9 @@
 against this machine's own history, a summary, a `nightly` record, and the rendered report.
 
 `python -m reports.nightly [--records DIR] [--out DIR] [--preset P] [--steps A,B] [--step-timeout S]`. On a
-CPU it runs the `tiny` preset (benchmarks in their `--quick` form). On a GPU each step takes its own default
-unless `--preset` is given: the gates `48b-a3b` where it fits the GPU with the floor (else `tiny`), the
-benchmarks and the decomposition `48b-a3b`; the record names the gates' preset. Each step
+CPU the gates run their default (the reference checkpoint) and the benchmarks their `--quick` form (tiny). On a
+GPU each step takes its own default unless `--preset` is given: the gates `48b-a3b` over as few GPUs as hold it
+(else they refuse), the benchmarks and the decomposition `48b-a3b`; the record names the gates' model. Each step
 runs in its own process, so a crash or an out-of-memory in one step cannot take the others down and device
 memory is returned between steps; a step still running after `--step-timeout` seconds (a hung kernel, a wedged
 device) is killed with its process group and counts as failed. Each step's output is shown as it comes, each
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", help="records directory (default: the store's)")
     ap.add_argument("--out", default=str(ROOT / "reports"), help="where the report is rendered")
-    ap.add_argument("--preset", help="default: each step's own (tiny on a CPU; on a GPU 48b-a3b, the gates only "
-                                     "where it fits)")
+    ap.add_argument("--preset", help="default: each step's own (on a CPU the gates' reference checkpoint and tiny "
+                                     "benchmarks; on a GPU 48b-a3b)")
     ap.add_argument("--steps", help="comma-separated steps to run, of gate-a, gate-b, gate-memory, bench, "
                                     "decompose and (on a GPU) bench-kernels; default: all")
     ap.add_argument("--step-timeout", type=positive_seconds, default=STEP_TIMEOUT_S,

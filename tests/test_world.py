@@ -49,7 +49,7 @@ def records(tmp_path, monkeypatch):
 # ---- the gates through the command line -----------------------------------------------------------------------
 
 def test_cli_gate_a_over_two_ranks_passes_with_one_record(tmp_path):
-    r = cli("gate-a", "--world", "2", "--device", "cpu", records=tmp_path)
+    r = cli("gate-a", "--world", "2", "--device", "cpu", "--preset", "tiny", records=tmp_path)
     assert r.returncode == EXIT_PASS, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == "Gate A over 2 ranks, 4 experts each: tiny fp32 (cpu, gloo)"
@@ -63,7 +63,7 @@ def test_cli_gate_a_over_two_ranks_passes_with_one_record(tmp_path):
 
 
 def test_gate_b_over_two_ranks_passes(records, capfd):
-    assert main(["gate-b", "--world", "2", "--device", "cpu"]) == EXIT_PASS
+    assert main(["gate-b", "--world", "2", "--device", "cpu", "--preset", "tiny"]) == EXIT_PASS
     out = capfd.readouterr().out
     assert out.splitlines()[0].startswith("Gate B over 2 ranks, 4 experts each: tiny")
     assert out.count("Gate B PASS 128/128") == 1 and "md5 equal" in out
@@ -138,7 +138,7 @@ def test_a_rank_that_hangs_is_stopped_at_the_timeout_naming_it(records, capfd, m
     (["gate-a", "--world", "2", "--rank-timeout-s", "nan"], "--rank-timeout-s must be a number of seconds"),
 ])
 def test_a_bad_world_is_refused_with_exit_2(records, capsys, argv, says):
-    assert main([*argv, "--device", "cpu"]) == EXIT_REFUSED
+    assert main([*argv, "--device", "cpu", "--preset", "tiny"]) == EXIT_REFUSED
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and err.count("\n") == 1
     assert not list(records.glob("*.jsonl"))  # refused before anything ran
@@ -308,7 +308,7 @@ def test_the_default_on_cuda_follows_the_box(monkeypatch):
     assert resolve(device="cuda", exact=True, world=1, readings=gpus(monkeypatch, 79)).world == 1
     assert resolve(preset="tiny", device="cuda", world=None, readings=gpus(monkeypatch, 79)).world == 1
     assert resolve(device="cuda", world=None, readings=lambda: [None]).world == 1
-    assert resolve(device="cpu", world=None).preset == "tiny"
+    assert resolve(device="cpu", world=None).label == "kimi-linear-ref"
 
 
 def test_the_default_refusal_exits_2_from_the_command_line(records, capsys, monkeypatch):
