@@ -1,7 +1,8 @@
 """Train the suite's small reference Kimi-Linear on the Python standard library's source, and write it as an
 original-format checkpoint with its tokenizer and provenance.
 
-    python -m model.train --out DIR [--steps N] [--device cuda] [--time-limit S] [--quick]
+    python -m model.train --out DIR [--steps N] [--device cuda] [--time-limit S] [--quick] [--no-record]
+    python -m model.train --record-from DIR --commit SHA
 
 Corpus: the `.py` files under `sysconfig.get_paths()["stdlib"]`, in sorted order, without installed packages
 (`site-packages`, `dist-packages`), test suites (`test/`, `tests/`, `idlelib/idle_test/`, ...), generated
@@ -33,6 +34,13 @@ The folder written: config.json, safetensors shards with their index (`model.che
 tiktoken.model, provenance.json (corpus, tokenizer, config, training, the held-out loss and bits per byte and the
 expert load of the checkpoint as written, its weights id) and loss_curve.jsonl (one line per step; eval lines
 carry the held-out loss).
+
+Record: the run appends one `train` record to `records/train.jsonl` (`train_record`): the corpus, tokenizer, model
+and training options, the loss at every step, the held-out evals, the final held-out loss and bits per byte and the
+expert load. `--record-from DIR --commit SHA` appends the same record for a checkpoint folder trained before, from
+its provenance.json and loss_curve.jsonl: the machine fields are the training machine's as the provenance names them
+(GPU or CPU, torch, python), not those of the machine running the command, and the commit is the one given, whose
+code trained it (said in `git.note`).
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ import hashlib
 import json
 import math
 import platform
+import re
 import sys
 import sysconfig
 import time
@@ -54,11 +63,13 @@ from torch import nn
 
 from gates.prompts import PROMPTS_FILE, PYTHON_PROMPTS
 from gates.tokenizer import TOKENIZER_FILE, KimiTokenizer
+from records import store
+from records.exits import run_main
 
 from . import bpe, ops
 from .build import from_state_dict, load_model
 from .checkpoint import check_checkpoint, internal_names, original_names, save_checkpoint, storage_dtype
-from .config import KimiConfig
+from .config import KimiConfig, parse_json, read_file
 from .layers import KimiDeltaAttention, MultiLatentAttention, Router
 from .model import KimiLinear
 from .weights import LOGIT_STD, synthetic_weights
@@ -71,6 +82,9 @@ CURVE_FILE = "loss_curve.jsonl"
 SHARD_BYTES = 16 << 20  # a few shards, as the original checkpoint has: loaders are exercised on an index
 LN2 = math.log(2)
 TIMED_STEPS = 20  # steps after the first that time a step for `--time-limit`
+CUDA_PRECISION = "bf16 weights, fp32 AdamW masters"   # the precision of a run on CUDA; a CPU run is fp32
+RECORD_KIND = "train"
+MAX_CURVE_BYTES = 64 << 20   # a loss curve is ~50 bytes a step: past this it is no curve of this script
 
 
 # ---- corpus --------------------------------------------------------------------------------------------------
@@ -517,6 +531,7 @@ class RunOptions:
     heldout_fraction: float = 0.05
     max_corpus_bytes: int | None = None
     corpus_root: Path | None = None
+    record: bool = True   # append the run's `train` record
 
 
 QUICK_TRAIN = dict(steps=30, batch=4, seq_len=64, warmup=5, eval_every=10, eval_windows=4, log_every=10)
@@ -533,6 +548,8 @@ def run(opts: RunOptions, log=print, command: str | None = None) -> dict:
     out = Path(opts.out)
     check_out(out)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if opts.device == "auto" else opts.device)
+    if opts.record:
+        store.ensure_writable(RECORD_KIND)   # before the training: a run that cannot be recorded is refused first
     t_start = time.perf_counter()
     corpus = load_corpus(opts.corpus_root, opts.heldout_fraction)
     if opts.max_corpus_bytes:
@@ -558,9 +575,8 @@ def run(opts: RunOptions, log=print, command: str | None = None) -> dict:
         f"{''.join('K' if k == 'kda' else 'M' for k in cfg.layer_kinds)} (K KDA, M MLA), {cfg.num_experts} "
         f"experts top-{cfg.num_experts_per_token} + 1 shared; {device_name(device)}")
     model = build_model(cfg, opts.train.seed, device)
-    curve_lines: list[str] = []
-    summary = train(model, train_tokens.ids, heldout_tokens.ids, nbytes, opts.train,
-                    curve=lambda rec: curve_lines.append(json.dumps(rec)), log=log)
+    curve: list[dict] = []
+    summary = train(model, train_tokens.ids, heldout_tokens.ids, nbytes, opts.train, curve=curve.append, log=log)
 
     save_checkpoint(checkpoint_state(model), cfg, out, max_shard_bytes=SHARD_BYTES)
     del model
@@ -590,7 +606,7 @@ def run(opts: RunOptions, log=print, command: str | None = None) -> dict:
                   "size": dataclasses.asdict(opts.size), "layer_kinds": cfg.layer_kinds},
         "training": dataclasses.asdict(opts.train) | {
             "steps": summary["steps"], "device": device_name(device),
-            "precision": "bf16 weights, fp32 AdamW masters" if device.type == "cuda" else "fp32",
+            "precision": CUDA_PRECISION if device.type == "cuda" else "fp32",
             "kernels": "torch", "torch": torch.__version__, "python": platform.python_version(),
             "train_s": summary["train_s"], "total_s": round(time.perf_counter() - t_start, 1)},
         "results": {"final_train_loss": round(summary["final_train_loss"], 5),
@@ -603,7 +619,11 @@ def run(opts: RunOptions, log=print, command: str | None = None) -> dict:
     }
     (out / PROMPTS_FILE).write_text(json.dumps({"prompts": list(PYTHON_PROMPTS)}, indent=1) + "\n")
     (out / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=1) + "\n")
-    (out / CURVE_FILE).write_text("".join(line + "\n" for line in curve_lines))
+    (out / CURVE_FILE).write_text("".join(json.dumps(rec) + "\n" for rec in curve))
+    if opts.record:
+        rec = train_record(provenance, curve, out, source="the training run")
+        path = store.append(rec)
+        log(f"record {rec['id']} appended to {path}")
     return provenance
 
 
@@ -614,6 +634,171 @@ def tokenizers_version() -> str:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+
+
+# ---- the record ----------------------------------------------------------------------------------------------
+
+class RecordFromError(ValueError):
+    """A checkpoint folder whose provenance or loss curve cannot give a train record; the message names the file."""
+
+
+def _at(d, dotted: str):
+    """`d`'s value at a dotted path, or None where a part is missing or not an object."""
+    for part in dotted.split("."):
+        if not isinstance(d, dict):
+            return None
+        d = d.get(part)
+    return d
+
+
+def split_curve(curve: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The step lines ({step, loss}) and the eval lines ({step, heldout_loss, heldout_bpb}) of a loss curve."""
+    steps = [{"step": c["step"], "loss": c["loss"]} for c in curve if "loss" in c]
+    evals = [{k: c[k] for k in ("step", "heldout_loss", "heldout_bpb")} for c in curve if "heldout_loss" in c]
+    return steps, evals
+
+
+def train_record(prov: dict, curve: list[dict], checkpoint: Path, source: str) -> dict:
+    """The `train` record of a run from its provenance (what `run` writes as provenance.json) and its loss curve (the
+    lines of loss_curve.jsonl); the git and machine of the process making it (`--record-from` replaces them)."""
+    tr, res, tok, model, corpus = (prov.get(k) if isinstance(prov.get(k), dict) else {}
+                                   for k in ("training", "results", "tokenizer", "model", "corpus"))
+    steps, evals = split_curve(curve)
+    loads = res.get("expert_load") if isinstance(res.get("expert_load"), list) else []
+    skipped = corpus.get("skipped_not_utf8")
+    cuda = tr.get("precision") == CUDA_PRECISION
+    size = model.get("size") or {}
+    vocab = (tok["base_tokens"] + tok["specials"]
+             if isinstance(tok.get("base_tokens"), int) and isinstance(tok.get("specials"), int) else None)
+    layers = model.get("layer_kinds")
+    params = {
+        "label": Path(checkpoint).resolve().name, "checkpoint": shown_path(checkpoint), "command": prov.get("command"),
+        "corpus": {k: corpus.get(k) for k in ("source", "python", "sha256", "train", "heldout", "heldout_rule",
+                                               "max_bytes")}
+                  | {"skipped_not_utf8": len(skipped) if isinstance(skipped, list) else None},
+        "tokenizer": {k: tok.get(k) for k in ("sha256", "library", "kind", "base_tokens", "specials", "train_tokens",
+                                              "heldout_tokens")} | {"vocab": vocab},
+        "model": {"parameters": model.get("parameters"), "checkpoint_bytes": model.get("checkpoint_bytes"),
+                  "layers": "".join("M" if k == "mla" else "K" for k in layers) if isinstance(layers, list) else None,
+                  "size": size},
+        **{k: tr.get(k) for k in ("steps", "seed", "batch", "seq_len", "lr", "warmup", "weight_decay", "clip",
+                                  "bias_rate", "eval_every", "eval_windows", "time_limit", "precision", "kernels",
+                                  "torch", "python")},
+        "device_name": tr.get("device"), "source": source,
+    }
+    results = {
+        "curve": steps, "evals": evals,
+        **{k: res.get(k) for k in ("heldout_loss", "heldout_tokens", "heldout_bytes", "heldout_of", "final_train_loss",
+                                   "train_loss_over")},
+        "heldout_bpb": res.get("heldout_bits_per_byte"),
+        "expert_load_max": [_at(e, "max") for e in loads], "expert_unused": [_at(e, "unused") for e in loads],
+        "train_s": tr.get("train_s"), "total_s": tr.get("total_s"),
+    }
+    return store.make_record(RECORD_KIND, preset=params["label"], dtype="bfloat16" if cuda else "float32",
+                             device="cuda" if cuda else "cpu", weights=prov.get("weights"), params=params,
+                             results=results)
+
+
+def shown_path(path: Path) -> str:
+    """`path` relative to the checkout where it lies inside it (no machine's path in a record), else as given."""
+    try:
+        return Path(path).resolve().relative_to(store.REPO_ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def read_json_file(path: Path, folder: Path, cap: int):
+    if not path.exists() and not path.is_symlink():
+        raise RecordFromError(f"{folder}: no {path.name}; --record-from needs a checkpoint folder written by "
+                              f"model.train ({PROVENANCE_FILE} and {CURVE_FILE})")
+    return read_file(path, cap, RecordFromError, folder)
+
+
+def read_curve(folder: Path) -> list[dict]:
+    """The lines of `folder`/loss_curve.jsonl, each checked: a step line {step, loss, ...} or an eval line {step,
+    heldout_loss, heldout_bpb}, steps integers and losses finite numbers."""
+    path = folder / CURVE_FILE
+    data = read_json_file(path, folder, MAX_CURVE_BYTES)
+    out = []
+    for n, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        c = parse_json(f"{path}:{n}", line, RecordFromError)
+        ok = isinstance(c, dict) and type(c.get("step")) is int and c["step"] >= 0 and (
+            ("loss" in c and _finite(c["loss"])) or
+            ("heldout_loss" in c and _finite(c["heldout_loss"]) and _finite(c.get("heldout_bpb"))))
+        if not ok:
+            raise RecordFromError(f"{path}:{n}: expected a step line {{step, loss}} or an eval line {{step, "
+                                  f"heldout_loss, heldout_bpb}} with an integer step and finite numbers, got "
+                                  f"{line[:80].decode('utf-8', 'replace')}")
+        out.append(c)
+    if not any("loss" in c for c in out):
+        raise RecordFromError(f"{path}: no step line; expected one line per training step")
+    return out
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def record_from(folder: Path, commit: str) -> dict:
+    """The `train` record of the checkpoint in `folder`, trained at `commit`, from its provenance.json and
+    loss_curve.jsonl, after checking that they agree with each other and with the checkpoint's weights."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise RecordFromError(f"--record-from {folder}: not a folder; expected a checkpoint folder written by "
+                              f"model.train")
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        raise RecordFromError(f"--commit must be a full 40-digit hex commit id, got {commit!r}")
+    if store.git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        raise RecordFromError(f"--commit {commit} is not a commit of this repository; give the commit whose code "
+                              f"trained the checkpoint")
+    path = folder / PROVENANCE_FILE
+    prov = parse_json(path, read_json_file(path, folder, 16 << 20), RecordFromError)
+    if not isinstance(prov, dict):
+        raise RecordFromError(f"{path}: expected a JSON object")
+    curve = read_curve(folder)
+    for need in ("weights", "corpus.sha256", "training.steps", "training.device", "training.precision",
+                 "results.heldout_loss", "results.heldout_bits_per_byte"):
+        if _at(prov, need) is None:
+            raise RecordFromError(f"{path} lacks {need}; expected the provenance model.train writes")
+    steps, evals = split_curve(curve)
+    last = max(c["step"] for c in steps)
+    if last != prov["training"]["steps"]:
+        raise RecordFromError(f"{folder}: {CURVE_FILE} ends at step {last}, {PROVENANCE_FILE} says "
+                              f"{prov['training']['steps']} steps; expected the curve of the same run")
+    if _at(prov, "results.evals") is not None and prov["results"]["evals"] != evals:
+        raise RecordFromError(f"{folder}: the evals of {CURVE_FILE} differ from those of {PROVENANCE_FILE}; "
+                              f"expected the curve of the same run")
+    weights = load_model(checkpoint=str(folder)).weights
+    if weights != prov["weights"]:
+        raise RecordFromError(f"{folder}: the checkpoint's weights are {weights}, {PROVENANCE_FILE} names "
+                              f"{prov['weights']}; expected the provenance of these weights")
+    rec = train_record(prov, curve, folder, source=f"{PROVENANCE_FILE} and {CURVE_FILE} (--record-from)")
+    cuda = rec["device"] == "cuda"
+    tr = prov["training"]
+    rec["machine"] = {k: v for k, v in (("gpu", tr.get("device") if cuda else None),
+                                        ("cpu", None if cuda else tr.get("device")),
+                                        ("torch", tr.get("torch")), ("python", tr.get("python"))) if v is not None}
+    rec["git"] = {"commit": commit, "commit_source": "--commit",
+                  "note": f"recorded after the run by model.train --record-from, from the checkpoint folder's "
+                          f"{PROVENANCE_FILE} and {CURVE_FILE}: the commit is the one given with --commit, whose "
+                          f"code trained it; the machine is the training machine its provenance names, not the "
+                          f"one that made this record"}
+    return rec
+
+
+def record_main(folder: Path, commit: str, log=print) -> int:
+    """Append the train record of `folder` (`record_from`), unless the records already hold one of its weights."""
+    rec = record_from(folder, commit)
+    have = [r for r in store.load(RECORD_KIND).records if r["weights"] == rec["weights"]]
+    if have:
+        log(f"records already hold train record {have[-1]['id']} of weights {rec['weights']}; nothing appended")
+        return 0
+    path = store.append(rec)
+    log(f"train record {rec['id']} of {rec['preset']} (weights {rec['weights']}, "
+        f"{rec['params']['steps']} steps, held-out {rec['results']['heldout_bpb']} bits/byte) appended to {path}")
+    return 0
 
 
 # ---- CLI -----------------------------------------------------------------------------------------------------
@@ -642,9 +827,20 @@ SIZE_FLAGS = ("vocab", "hidden", "layers", "experts", "top_k", "expert_dim")
 TRAIN_FLAGS = ("steps", "batch", "seq_len", "lr", "eval_every", "seed", "time_limit")
 
 
-def parse_args(argv=None) -> RunOptions:
+@dataclass(frozen=True)
+class RecordFrom:
+    folder: Path
+    commit: str
+
+
+def parse_args(argv=None) -> RunOptions | RecordFrom:
     p = argparse.ArgumentParser(prog="python -m model.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="a new or empty folder for the checkpoint")
+    p.add_argument("--out", type=Path, help="a new or empty folder for the checkpoint")
+    p.add_argument("--record-from", type=Path, metavar="DIR",
+                   help="append the train record of a checkpoint folder trained before (its provenance.json and "
+                        "loss_curve.jsonl), instead of training")
+    p.add_argument("--commit", metavar="SHA", help="with --record-from: the commit whose code trained it")
+    p.add_argument("--no-record", action="store_true", help="append no train record (a toy run)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--steps", type=positive_int, help=f"optimiser steps (default {TrainOptions.steps})")
     p.add_argument("--time-limit", type=positive_float, help="seconds of training: fewer steps if they would not fit")
@@ -664,6 +860,19 @@ def parse_args(argv=None) -> RunOptions:
     p.add_argument("--max-corpus-bytes", type=positive_int, help="train on the first files up to this many bytes")
     p.add_argument("--quick", action="store_true", help="a toy run: small corpus, vocabulary, model and step count")
     a = p.parse_args(argv)
+    if a.record_from is not None:
+        given = [f"--{k.replace('_', '-')}" for k in (*SIZE_FLAGS, *TRAIN_FLAGS, "out", "max_corpus_bytes")
+                 if getattr(a, k) is not None] + [f for f, on in (("--quick", a.quick), ("--no-record", a.no_record))
+                                                  if on]
+        if given:
+            p.error(f"--record-from records a folder trained before; it takes no {', '.join(given)}")
+        if a.commit is None:
+            p.error("--record-from needs --commit SHA: the commit whose code trained the checkpoint")
+        return RecordFrom(a.record_from, a.commit)
+    if a.commit is not None:
+        p.error("--commit goes with --record-from")
+    if a.out is None:
+        p.error("the following arguments are required: --out (or --record-from DIR --commit SHA)")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible")
     if not a.heldout_fraction < 1:
@@ -675,7 +884,8 @@ def parse_args(argv=None) -> RunOptions:
     train |= {k: getattr(a, k) for k in TRAIN_FLAGS if getattr(a, k) is not None}
     opts = RunOptions(out=a.out, device=a.device, size=size, train=TrainOptions(**train),
                       heldout_fraction=a.heldout_fraction,
-                      max_corpus_bytes=a.max_corpus_bytes or (QUICK_CORPUS_BYTES if a.quick else None))
+                      max_corpus_bytes=a.max_corpus_bytes or (QUICK_CORPUS_BYTES if a.quick else None),
+                      record=not a.no_record)
     try:
         size.config()
     except ValueError as e:
@@ -690,10 +900,22 @@ def parse_args(argv=None) -> RunOptions:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     opts = parse_args(argv)
+    if isinstance(opts, RecordFrom):
+        def record() -> int:
+            try:
+                return record_main(opts.folder, opts.commit)
+            except ValueError as e:   # a folder that gives no record, a record the schema refuses
+                print(f"model.train: {e}", file=sys.stderr)
+                return 2
+        return run_main(record, kinds=(RECORD_KIND,))   # a crash or records that cannot be written: 2
     try:
         run(opts, command=" ".join(["python -m model.train", *argv]))
     except (ValueError, FileExistsError) as e:   # the corpus or the sizes cannot give a model: a bad input
         print(f"model.train: {e}", file=sys.stderr)
+        return 2
+    except store.RecordsUnwritable as e:
+        print(f"model.train: {e}; a checkpoint written before this could be recorded later with --record-from DIR "
+              f"--commit SHA", file=sys.stderr)
         return 2
     return 0
 

@@ -381,6 +381,40 @@ NIGHTLY_RESULTS = obj(passed=BOOL, steps=MapOf(STEP_T), regressions=ListOf(REGRE
 ERRATUM_PARAMS = obj(record=TEXT, fields=ListOf(ERRATUM_FIELD))
 ERRATUM_RESULTS = obj(reason=TEXT)
 
+# ---- train: model/train.py, one record per training run of the reference checkpoint --------------------------
+
+SPLIT_T = obj(files=INT, bytes=INT)
+TRAIN_PARAMS = obj(
+    label=TEXT, checkpoint=TEXT, command=TEXT,  # the checkpoint folder's name and path, the command that trained it
+    corpus=obj(source=TEXT, python=TEXT, sha256=TEXT, train=SPLIT_T, heldout=SPLIT_T, heldout_rule=TEXT,
+               max_bytes=INT, skipped_not_utf8=INT),
+    tokenizer=obj(sha256=TEXT, library=TEXT, kind=TEXT, base_tokens=INT, specials=INT, vocab=INT, train_tokens=INT,
+                  heldout_tokens=INT),
+    model=obj(parameters=INT, checkpoint_bytes=INT, layers=TEXT, size=MapOf(JSON)),  # layers: K KDA, M MLA
+    steps=INT, seed=INT, batch=INT, seq_len=INT, lr=NUMBER, warmup=INT, weight_decay=NUMBER, clip=NUMBER,
+    bias_rate=NUMBER, eval_every=INT, eval_windows=INT, time_limit=NUMBER,
+    device_name=TEXT, precision=TEXT, kernels=TEXT, torch=TEXT, python=TEXT,
+    source=TEXT)  # where the record was made from: the run itself, or the folder's provenance.json (--record-from)
+TRAIN_RESULTS = obj(
+    curve=ListOf(obj(step=INT, loss=NUMBER)),  # the training loss at every step
+    evals=ListOf(obj(step=INT, heldout_loss=NUMBER, heldout_bpb=NUMBER)),  # held-out windows during training
+    # the checkpoint as written, over every held-out window
+    heldout_loss=NUMBER, heldout_bpb=NUMBER, heldout_tokens=INT, heldout_bytes=INT, heldout_of=TEXT,
+    final_train_loss=NUMBER, train_loss_over=TEXT,
+    expert_load_max=NUMBERS, expert_unused=ListOf(INT),  # per MoE layer: the busiest expert's share of an even one
+    train_s=NUMBER, total_s=NUMBER)
+
+# ---- margins: gates/margins.py, one record per golden: its greedy margins on the battery ---------------------
+
+MARGINS_PARAMS = obj(golden=TEXT, golden_md5=TEXT, label=TEXT, source=TEXT, implementation=TEXT, golden_dtype=TEXT,
+                     golden_device=TEXT, device_name=TEXT, golden_time=TEXT, golden_commit=TEXT,
+                     prompt_ids_source=TEXT, prompts=INT, new_tokens=INT, topk=INT)
+MARGINS_RESULTS = obj(
+    margins=ListOf(NUMBERS),  # [prompt][step]: top-1 minus top-2 log-probability, nats
+    n=INT, median=NUMBER, min=NUMBER, max=NUMBER, zeros=INT,
+    bf16_eps=NUMBER, frac_below_bf16_eps=NUMBER,  # gates.compare.NEAR_TIE_EPS in bf16 and in fp32 (and fp64)
+    fp32_eps=NUMBER, frac_below_fp32_eps=NUMBER)
+
 
 # ---- the kinds ---------------------------------------------------------------------------------------------
 
@@ -448,10 +482,13 @@ DETECTION = kind("detection", DETECTION_PARAMS, DETECTION_RESULTS, ("results.pas
                                                                      "results.total"))
 NIGHTLY = kind("nightly", NIGHTLY_PARAMS, NIGHTLY_RESULTS, ("results.passed", "results.steps"))
 ERRATUM = kind("erratum", ERRATUM_PARAMS, ERRATUM_RESULTS, ("params.record", "params.fields", "results.reason"))
+TRAIN = kind("train", TRAIN_PARAMS, TRAIN_RESULTS, ("results.curve", "results.evals", "results.heldout_bpb"))
+MARGINS = kind("margins", MARGINS_PARAMS, MARGINS_RESULTS, ("results.margins", "results.median",
+                                                            "results.frac_below_bf16_eps"))
 # What gate_a and gate_b records both carry (the gates section reads them alike); not a kind of its own
 GATE = Kind("gate", Field("params", Obj(GATE_OPTIONS), "gate"), Field("results", Obj(GATE_RESULTS), "gate"))
 KINDS: dict[str, Kind] = {k.name: k for k in (GATE_A, GATE_B, MEMORY, BENCH, KERNEL, DECOMPOSITION, DETECTION,
-                                              NIGHTLY, ERRATUM)}
+                                              NIGHTLY, ERRATUM, TRAIN, MARGINS)}
 
 # What every record carries beside its kind's params and results; `RECORD.machine.gpu.get(r)`. The store checks
 # the top-level fields themselves (records.store.validate_record); git and machine are checked here.

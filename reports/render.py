@@ -35,7 +35,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from benchmarks.categories import CATEGORY_NAMES  # noqa: E402
 from records import store  # noqa: E402
 from records.schema import (BENCH, CLOCKS, DECOMPOSITION, DIAGNOSIS, ERRATUM, GATE, GATE_B,  # noqa: E402
-                            KERNEL, MEMORY, NIGHTLY, NOISE, PROMPT, RECORD, REGRESSION, SPOT_CHECK, STEP, Field)
+                            KERNEL, MARGINS, MEMORY, NIGHTLY, NOISE, PROMPT, RECORD, REGRESSION, SPOT_CHECK, STEP,
+                            TRAIN, Field)
 from reports import regress, targets  # noqa: E402
 
 NO_RECORDS = "no records yet"
@@ -581,6 +582,127 @@ def gates_section(gates: list[dict], out: Path) -> Section:
     return s
 
 
+REFERENCE_LABEL = "kimi-linear-ref"  # the suite's trained reference checkpoint (checkpoints/): drawn where recorded
+
+
+def train_section(trains: list[dict], out: Path) -> Section:
+    """The reference checkpoint's training (model/train.py `train` records): the loss at every step and the held-out
+    evals of the latest record of REFERENCE_LABEL (else the latest record), and every training run in a table."""
+    s = Section("Reference checkpoint")
+    P, R = TRAIN.params, TRAIN.results
+    trains, s.blocks = usable(sorted(trains, key=lambda r: r["time"]), (R.curve, R.evals), "train")
+    if not trains:
+        s.blocks.append(NO_RECORDS)
+        return s
+    ref = max(trains, key=lambda r: (P.label.get(r) == REFERENCE_LABEL, r["time"]))
+    curve, evals = R.curve.get(ref), R.evals.get(ref)
+    pts = [(R.curve.each.step.get(c), R.curve.each.loss.get(c)) for c in curve]
+    pts = [(x, y) for x, y in pts if x is not None and y is not None]
+    ev = [(R.evals.each.step.get(e), R.evals.each.heldout_loss.get(e), R.evals.each.heldout_bpb.get(e))
+          for e in evals]
+    ev = [e for e in ev if e[0] is not None]
+    final_loss, final_bpb, last = R.heldout_loss.get(ref), R.heldout_bpb.get(ref), P.steps.get(ref)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    left.plot([x for x, _ in pts], [y for _, y in pts], lw=0.8, label="training loss (one batch a step)")
+    held = [(x, y) for x, y, _ in ev if y is not None]
+    left.plot([x for x, _ in held], [y for _, y in held], "o-", color="tab:orange", label="held-out loss (eval)")
+    if final_loss is not None and last is not None:
+        left.scatter([last], [final_loss], marker="*", s=140, color="tab:red", zorder=5,
+                     label=plot_text(f"checkpoint as written: {fmt(final_loss)}"))
+    left.set(xlabel="step", ylabel="nats per token", title=plot_text(f"{P.label.get(ref, '?')}: loss"))
+    left.legend(fontsize=7)
+    left.grid(True, alpha=0.3)
+    bpb = [(x, b) for x, _, b in ev if b is not None]
+    right.plot([x for x, _ in bpb], [b for _, b in bpb], "o-", color="tab:orange", label="held-out (eval windows)")
+    if final_bpb is not None and last is not None:
+        right.scatter([last], [final_bpb], marker="*", s=140, color="tab:red", zorder=5,
+                      label=plot_text(f"checkpoint as written, every held-out window: {fmt(final_bpb)}"))
+    right.set(xlabel="step", ylabel="bits per byte", title="held-out bits per byte")
+    right.legend(fontsize=7)
+    right.grid(True, alpha=0.3)
+    s.blocks.append(Figure(save(fig, out, "train"), f"training of {P.label.get(ref, '?')}", cite([ref])))
+    corpus = P.corpus
+    s.blocks.append(
+        f"{P.label.get(ref, '?')} (weights {ref['weights']}): {fmt(P.model.parameters.get(ref))} parameters, layers "
+        f"{P.model.layers.get(ref, '?')} (K KDA, M MLA), trained {last} steps of {P.batch.get(ref)} x "
+        f"{P.seq_len.get(ref)} tokens on {P.device_name.get(ref, '?')} ({P.precision.get(ref, '?')}) in "
+        f"{fmt(R.train_s.get(ref))} s; corpus {corpus.source.get(ref, '?')} of Python {corpus.python.get(ref, '?')} "
+        f"({corpus.sha256.get(ref, '?')}), {fmt(corpus.train.files.get(ref))} train files, "
+        f"{fmt(corpus.heldout.files.get(ref))} held out ({fmt(R.heldout_bytes.get(ref))} bytes, "
+        f"{fmt(R.heldout_tokens.get(ref))} tokens); vocabulary {P.tokenizer.vocab.get(ref, '?')} "
+        f"({P.tokenizer.sha256.get(ref, '?')}). Held-out loss of the checkpoint as written "
+        f"{fmt(final_loss)} nats per token, {fmt(final_bpb)} bits per byte. Record made from: "
+        f"{P.source.get(ref, '?')}.")
+    loads = lambda r: [x for x in R.expert_load_max.get(r, []) if x is not None]
+    s.blocks.append(Table(
+        ["record", "time", "checkpoint", "weights", "machine", "commit", "steps", "batch x seq", "precision",
+         "final train loss", "held-out loss", "held-out bits/byte", "expert load max (of even)", "train s"],
+        [[short_id(r), r["time"], str(P.label.get(r, "?")), str(r["weights"] or "—"), machine(r), commit(r),
+          fmt(P.steps.get(r)), f"{P.batch.get(r, '?')} x {P.seq_len.get(r, '?')}", str(P.precision.get(r, "?")),
+          fmt(R.final_train_loss.get(r)), fmt(R.heldout_loss.get(r)), fmt(R.heldout_bpb.get(r)),
+          fmt(max(loads(r)) if loads(r) else None), fmt(R.train_s.get(r))] for r in trains], cite(trains)))
+    return s
+
+
+MARGIN_FLOOR = 1e-6  # where a margin of 0 (an exact tie) is drawn on the log axis
+
+
+def margin_label(r: dict) -> str:
+    P = MARGINS.params
+    return f"{P.label.get(r, r['preset'])} {P.golden_dtype.get(r, '?')} {P.golden_device.get(r, '?')} " \
+           f"{P.source.get(r, '?')}"
+
+
+def margins_section(margins: list[dict], out: Path) -> Section:
+    """The greedy margins of each golden (gates/margins.py `margins` records, the latest per golden kind): their
+    cumulative distribution on a log axis, with the near-tie epsilons of bf16 and fp32 marked."""
+    s = Section("Greedy margins on the battery")
+    P, R = MARGINS.params, MARGINS.results
+    margins, s.blocks = usable(sorted(margins, key=lambda r: r["time"]), (R.margins,), "margins")
+    latest = list(latest_by(margins, margin_label).values())
+    if not latest:
+        s.blocks.append(NO_RECORDS)
+        return s
+    s.blocks.append("The greedy margin of a step is the golden's top-1 minus top-2 log-probability (nats). Where it "
+                    "lies under the near-tie epsilon of a precision, two correct implementations in that precision "
+                    "may choose different tokens there, and every later step of that prompt is then another "
+                    "context: the more of the battery lies under the bf16 epsilon, the more prompts on which a "
+                    "correct bf16 run may part from a bf16 golden without any error. Margins of 0 (exact ties) are "
+                    f"drawn at {MARGIN_FLOOR:g}.")
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for r in latest:
+        flat = sorted(max(m, MARGIN_FLOOR) for row in R.margins.get(r) for m in (row or []) if m is not None)
+        if not flat:
+            continue
+        ys = [(i + 1) / len(flat) for i in range(len(flat))]
+        ax.step(flat, ys, where="post", label=plot_text(
+            f"{margin_label(r)}: {fmt(R.frac_below_bf16_eps.get(r), '.1%')} under bf16 eps"))
+    for eps, name, style in ((R.bf16_eps, "bf16", "--"), (R.fp32_eps, "fp32/fp64", ":")):
+        for value in sorted({eps.get(r) for r in latest if eps.get(r) is not None}):
+            ax.axvline(value, color="gray", ls=style, lw=1)
+            ax.annotate(plot_text(f"{name} near-tie eps {value:g}"), (value, 0.1), rotation=90, fontsize=7,
+                        ha="right", va="bottom", color="dimgray")
+    ax.set_xscale("log")
+    ax.set(xlabel=f"greedy margin, top-1 minus top-2 log-prob (nats; an exact tie, 0, drawn at {MARGIN_FLOOR:g})",
+           ylabel="fraction of steps at or below",
+           ylim=(0, 1.02), title="greedy margins of the goldens, every prompt and step")
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left")
+    s.blocks.append(Figure(save(fig, out, "margins"), "greedy margin distributions", cite(latest)))
+    s.blocks.append(Table(
+        ["record", "golden", "implementation, device", "weights", "steps", "median nats", "min nats", "exact ties",
+         "under bf16 eps", "under fp32 eps"],
+        [[short_id(r), str(P.golden.get(r, "?")), f"{P.implementation.get(r, '?')}, {P.device_name.get(r, '?')}",
+          str(r["weights"] or "—"), fmt(R.n.get(r)), fmt(R.median.get(r)), fmt(R.min.get(r)), fmt(R.zeros.get(r)),
+          f"{fmt(R.frac_below_bf16_eps.get(r), '.1%')} (< {fmt(R.bf16_eps.get(r))})",
+          f"{fmt(R.frac_below_fp32_eps.get(r), '.1%')} (< {fmt(R.fp32_eps.get(r))})"] for r in latest],
+        cite(latest)))
+    if len(latest) < len(margins):
+        older = [r for r in margins if r not in latest]
+        s.blocks.append(f"{len(older)} older margins record(s) of the same goldens are not drawn: {cite(older)}")
+    return s
+
+
 def decomposition_section(decomps: list[dict], out: Path) -> Section:
     s = Section("Decode time decomposition")
     if not decomps:
@@ -810,6 +932,8 @@ def build(loaded, out: Path) -> list[Section]:
         ("Speed against context length", lambda: speed_section(of("bench"), out)),
         ("Speed history and regressions", lambda: history_section(of("bench"), out)),
         ("Gates", lambda: gates_section(of("gate_a", "gate_b"), out)),
+        ("Reference checkpoint", lambda: train_section(of("train"), out)),
+        ("Greedy margins on the battery", lambda: margins_section(of("margins"), out)),
         ("Decode time decomposition", lambda: decomposition_section(
             [r for r in of("decomposition") if DECOMPOSITION.params.phase.get(r, "decode") == "decode"
              and not DECOMPOSITION.params.variant.get(r)], out)),

@@ -469,3 +469,84 @@ def test_the_peers_cell_reads_the_rate_its_speedup_was_taken_from(tmp_path):
     speed = next(s for s in render.render(records_root=root, out=tmp_path / "out") if s.title.startswith("Speed"))
     cells = [row[-1] for b in speed.blocks if isinstance(b, render.Table) for row in b.rows if row[0] == "64"]
     assert len(cells) == 1 and cells[0].startswith("hf 10 ("), cells   # 1000 / 50 ms would read 20
+
+
+# ---- the reference checkpoint and the greedy margins -------------------------------------------------------------
+
+def train_record(label="kimi-linear-ref"):
+    curve = [{"step": s, "loss": 9.0 - s / 20} for s in range(1, 101)]
+    evals = [{"step": 0, "heldout_loss": 9.1, "heldout_bpb": 4.1}, {"step": 100, "heldout_loss": 4.5,
+                                                                      "heldout_bpb": 2.25}]
+    rec = make_record("train", preset=label, dtype="bfloat16", device="cuda", weights="sha256:5d72d620e602d30a",
+                      params={"label": label, "steps": 100, "batch": 16, "seq_len": 512, "seed": 0, "lr": 2e-3,
+                              "device_name": "NVIDIA H100 80GB HBM3", "precision": "bf16 weights, fp32 AdamW masters",
+                              "corpus": {"sha256": "sha256:4f0b", "python": "3.12.3", "train": {"files": 3,
+                                                                                                  "bytes": 900}},
+                              "tokenizer": {"vocab": 4352}, "model": {"parameters": 1000, "layers": "KKKM"}},
+                      results={"curve": curve, "evals": evals, "heldout_loss": 4.4375, "heldout_bpb": 2.1875,
+                               "expert_load_max": [1.25, 1.5], "train_s": 30.0})
+    rec["machine"] = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "python": "3.12.3"}
+    rec["git"] = {"commit": "1" * 40, "commit_source": "--commit", "note": "recorded after the run"}
+    return rec
+
+
+def margins_record(label, margins, weights):
+    flat = [m for row in margins for m in row]
+    return make_record("margins", preset=label, dtype="bfloat16", device="cuda", weights=weights,
+                       params={"label": label, "golden": f"gates/goldens/{label}-bf16-cuda-hf.json",
+                               "golden_dtype": "bf16", "golden_device": "cuda", "source": "hf",
+                               "implementation": "hf-transformers-5.17.0", "device_name": "NVIDIA H100"},
+                       results={"margins": margins, "n": len(flat), "median": sorted(flat)[len(flat) // 2],
+                                "min": min(flat), "zeros": flat.count(0.0), "bf16_eps": 0.125,
+                                "frac_below_bf16_eps": sum(m < 0.125 for m in flat) / len(flat), "fp32_eps": 1e-4,
+                                "frac_below_fp32_eps": sum(m < 1e-4 for m in flat) / len(flat)})
+
+
+def test_reference_checkpoint_and_margins_sections_draw_and_cite_their_records(tmp_path):
+    root = tmp_path / "records"
+    trained = train_record()
+    ref = margins_record("kimi-linear-ref", [[1.5, 2.0], [0.75, 3.0]], "sha256:5d72d620e602d30a")
+    big = margins_record("48b-a3b", [[0.0, 0.0625], [0.5, 1.0]], "sha256:052e87d2c1b8bc79")
+    hostile = margins_record("x$^$<script>", [[0.25]], "w")       # record text in a title, a legend, a cell
+    for r in (trained, ref, big, hostile):
+        append(r, root=root)
+    out = tmp_path / "out"
+    sections = {s.title: s for s in render.render(root, out)}
+    page, summary = (out / "index.html").read_text(), (out / "SUMMARY.md").read_text()
+    for title, name, cited in (("Reference checkpoint", "train", [trained]),
+                               ("Greedy margins on the battery", "margins", [ref, big, hostile])):
+        s = sections[title]
+        assert s.failed is None, s.failed
+        [fig] = [b for b in s.blocks if isinstance(b, render.Figure)]
+        assert fig.file == f"figures/{name}.png" and not is_blank(out / fig.file)
+        assert all(short(r) in fig.source for r in cited), fig.source
+        assert f"src='figures/{name}.png'" in page and f"](figures/{name}.png)" in summary
+    train_fig = next(b for b in sections["Reference checkpoint"].blocks if isinstance(b, render.Figure))
+    assert "NVIDIA H100 80GB HBM3" in train_fig.source and "commit 1111111" in train_fig.source
+    assert re.search(rf"\| {short(trained)} \|[^\n]*\| 100 \| 16 x 512 \|[^\n]*\| 4\.438 \| 2\.188 \| 1\.5 \| 30 \|",
+                     summary)
+    assert re.search(rf"\| {short(big)} \|[^\n]*\| 4 \| 0\.5 \| 0 \| 1 \| 50\.0% \(&lt; 0\.125\) \| 25\.0% ", summary)
+    assert re.search(rf"\| {short(ref)} \|[^\n]*\| 0\.0% \(&lt; 0\.125\) \| 0\.0% ", summary)
+    assert "<script>" not in page and "&lt;script&gt;" in page
+
+
+def test_the_reference_checkpoint_drawn_is_the_reference_one(tmp_path):
+    """Another checkpoint's later training run is listed, not drawn in place of the reference's."""
+    root = tmp_path / "records"
+    ref, toy = train_record(), train_record("reference")
+    append(ref, root=root)
+    append(toy, root=root)
+    s = next(s for s in render.render(root, tmp_path / "out") if s.title == "Reference checkpoint")
+    fig = next(b for b in s.blocks if isinstance(b, render.Figure))
+    assert short(ref) in fig.source and short(toy) not in fig.source and fig.title.endswith("kimi-linear-ref")
+    table = next(b for b in s.blocks if isinstance(b, render.Table))
+    assert [row[0] for row in table.rows] == [short(ref), short(toy)]
+
+
+def test_a_report_without_train_or_margins_records_says_so(tmp_path):
+    root = tmp_path / "records"
+    shutil.copy(RECORDS / "memory.jsonl", root.mkdir() or root)
+    sections = {s.title: s for s in render.render(root, tmp_path / "out")}
+    for title in ("Reference checkpoint", "Greedy margins on the battery"):
+        assert sections[title].blocks == [render.NO_RECORDS] and sections[title].failed is None
+    assert {p.stem for p in (tmp_path / "out" / "figures").glob("*.png")} == {"memory"}

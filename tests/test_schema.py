@@ -109,6 +109,17 @@ def written(tmp_path_factory):
         store.append(store.make_record("erratum", preset=None, dtype=None, device=None, weights=None,
                                        params={"record": gate_a["id"], "fields": ["results.timings.load_s"]},
                                        results={"reason": "timed with the cache cold"}), root=root)
+        from gates import margins
+        from gates.golden import GOLDEN_DIR
+        from model import train
+        margins.record_goldens([GOLDEN_DIR / "tiny-fp64-cpu-hf.json"], root=root, log=quiet)
+        prov = {"weights": "w", "corpus": {"sha256": "sha256:0", "python": "3.12", "train": {"files": 1, "bytes": 9}},
+                "training": {"steps": 1, "device": "cpu", "precision": "fp32", "batch": 1, "seq_len": 8},
+                "results": {"heldout_loss": 1.0, "heldout_bits_per_byte": 0.5,
+                            "expert_load": [{"max": 1.1, "unused": 0}]}}
+        curve = [{"step": 0, "heldout_loss": 1.1, "heldout_bpb": 0.6}, {"step": 1, "loss": 2.0},
+                 {"step": 1, "heldout_loss": 1.0, "heldout_bpb": 0.5}]
+        store.append(train.train_record(prov, curve, root / "ckpt", source="the training run"), root=root)
     loaded = store.load(root=root)
     assert loaded.problems == []
     by_kind: dict[str, list[dict]] = {}

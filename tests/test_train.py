@@ -4,6 +4,7 @@ our loader and HF transformers."""
 import dataclasses
 import json
 import math
+import shutil
 from pathlib import PurePosixPath
 
 import pytest
@@ -15,6 +16,7 @@ from model import bpe, train
 from model.build import load_model
 from model.checkpoint import check_checkpoint, internal_names
 from model.hf import hf_from_checkpoint
+from records import store
 from tests.conftest import rel_err
 
 TOY = train.ModelSize(n_base=300, hidden=32, layers=4, heads=2, head_dim=16, kv_lora_rank=16, dense=64, experts=4,
@@ -277,8 +279,11 @@ QUICK_ARGS = ["--quick", "--vocab", "300", "--steps", "10", "--batch", "2", "--s
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """A quick run's checkpoint folder; its train record goes to `records/` beside it, not to the suite's."""
     out = tmp_path_factory.mktemp("ref") / "reference"
-    assert train.main(["--out", str(out), *QUICK_ARGS]) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KIMI_RECORDS_DIR", str(out.parent / "records"))
+        assert train.main(["--out", str(out), *QUICK_ARGS]) == 0
     return out
 
 
@@ -325,3 +330,130 @@ def test_cli_refuses_bad_options_and_a_used_folder(reference, tmp_path, capsys):
     assert e.value.code == 2 and "not an empty directory" in capsys.readouterr().err
     with pytest.raises(FileExistsError):
         train.run(dataclasses.replace(train.RunOptions(out=reference), size=TOY))
+
+
+# ---- the train record ----------------------------------------------------------------------------------------
+
+def curve_of(folder):
+    lines = [json.loads(line) for line in (folder / "loss_curve.jsonl").read_text().splitlines()]
+    return ([{"step": c["step"], "loss": c["loss"]} for c in lines if "loss" in c],
+            [c for c in lines if "heldout_loss" in c])
+
+
+def test_the_run_appends_its_train_record(reference):
+    [rec] = store.load("train", root=reference.parent / "records").records
+    assert store.validate_record(rec) == [] and rec["verdict"] == "VALID"
+    prov = json.loads((reference / "provenance.json").read_text())
+    steps, evals = curve_of(reference)
+    r, p = rec["results"], rec["params"]
+    assert r["curve"] == steps and len(steps) == 10 and r["evals"] == evals == prov["results"]["evals"]
+    assert r["heldout_bpb"] == prov["results"]["heldout_bits_per_byte"] and r["heldout_loss"] > 0
+    assert len(r["expert_load_max"]) == len(prov["results"]["expert_load"])
+    assert (p["label"], p["steps"], p["seed"], p["corpus"]["sha256"], p["tokenizer"]["vocab"]) == (
+        "reference", 10, 0, prov["corpus"]["sha256"], 300 + bpe.N_SPECIAL)
+    assert rec["weights"] == prov["weights"] and (rec["device"], rec["dtype"]) == ("cpu", "float32")
+    assert rec["machine"] == store.provenance()["machine"] and rec["git"] == store.provenance()["git"]
+
+
+def head() -> str:
+    return store.git("rev-parse", "HEAD").strip()
+
+
+def copy_of(reference, tmp_path, drop=(), edit=None):
+    """A copy of the reference folder without the files `drop`, its provenance edited by `edit(prov)`."""
+    folder = tmp_path / "kimi-linear-toy"
+    shutil.copytree(reference, folder)
+    for name in drop:
+        (folder / name).unlink()
+    if edit and (folder / "provenance.json").exists():
+        prov = json.loads((folder / "provenance.json").read_text())
+        edit(prov)
+        (folder / "provenance.json").write_text(json.dumps(prov))
+    return folder
+
+
+def on_h100(prov):
+    prov["training"].update(device="NVIDIA H100 80GB HBM3", precision=train.CUDA_PRECISION, torch="2.11.0+cu130",
+                            python="3.12.3")
+
+
+def test_record_from_a_folder_carries_the_provenance_machine_and_the_given_commit(reference, tmp_path, monkeypatch,
+                                                                                   capsys):
+    folder = copy_of(reference, tmp_path, edit=on_h100)
+    monkeypatch.setenv("KIMI_RECORDS_DIR", str(tmp_path / "records"))
+    sha = head()
+    assert train.main(["--record-from", str(folder), "--commit", sha]) == 0
+    [rec] = store.load("train", root=tmp_path / "records").records
+    assert store.validate_record(rec) == []
+    assert rec["machine"] == {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "python": "3.12.3"}
+    assert rec["machine"] != store.provenance()["machine"]          # not the machine that ran the command
+    assert rec["git"]["commit"] == sha and "--record-from" in rec["git"]["note"] and "dirty" not in rec["git"]
+    assert (rec["device"], rec["dtype"], rec["preset"]) == ("cuda", "bfloat16", "kimi-linear-toy")
+    steps, evals = curve_of(folder)
+    assert rec["results"]["curve"] == steps and rec["results"]["evals"] == evals
+    assert rec["params"]["device_name"] == "NVIDIA H100 80GB HBM3" and "--record-from" in rec["params"]["source"]
+    assert rec["id"] in capsys.readouterr().out
+    assert train.main(["--record-from", str(folder), "--commit", sha]) == 0     # the same weights: not again
+    assert len(store.load("train", root=tmp_path / "records").records) == 1
+
+
+@pytest.mark.parametrize("drop", ["provenance.json", "loss_curve.jsonl"])
+def test_record_from_refuses_a_folder_without_its_provenance_or_curve(reference, tmp_path, monkeypatch, capsys, drop):
+    folder = copy_of(reference, tmp_path, drop=[drop])
+    monkeypatch.setenv("KIMI_RECORDS_DIR", str(tmp_path / "records"))
+    assert train.main(["--record-from", str(folder), "--commit", head()]) == 2
+    err = capsys.readouterr().err
+    assert f"no {drop}" in err and str(folder) in err
+    assert not (tmp_path / "records" / "train.jsonl").exists()
+
+
+def later_steps(prov):
+    prov["training"]["steps"] += 1
+
+
+def other_weights(prov):
+    prov["weights"] = "sha256:0000000000000000"
+
+
+@pytest.mark.parametrize("edit,why", [(later_steps, "ends at step"), (other_weights, "weights are"),
+                                      (lambda p: p.pop("weights"), "lacks weights")])
+def test_record_from_refuses_a_provenance_that_is_not_of_the_folder(reference, tmp_path, monkeypatch, capsys, edit,
+                                                                    why):
+    folder = copy_of(reference, tmp_path, edit=edit)
+    monkeypatch.setenv("KIMI_RECORDS_DIR", str(tmp_path / "records"))
+    assert train.main(["--record-from", str(folder), "--commit", head()]) == 2
+    assert why in capsys.readouterr().err
+    assert not (tmp_path / "records" / "train.jsonl").exists()
+
+
+def test_record_from_refuses_a_torn_curve_and_a_bad_commit(reference, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KIMI_RECORDS_DIR", str(tmp_path / "records"))
+    folder = copy_of(reference, tmp_path)
+    assert train.main(["--record-from", str(folder), "--commit", "abc123"]) == 2
+    assert "40-digit" in capsys.readouterr().err
+    assert train.main(["--record-from", str(folder), "--commit", "0" * 40]) == 2
+    assert "not a commit of this repository" in capsys.readouterr().err
+    with open(folder / "loss_curve.jsonl", "a") as f:
+        f.write('{"step": 11, "loss": NaN}\n')
+    assert train.main(["--record-from", str(folder), "--commit", head()]) == 2
+    assert "loss_curve.jsonl" in capsys.readouterr().err
+    (folder / "provenance.json").write_text("[]")
+    assert train.main(["--record-from", str(folder), "--commit", head()]) == 2
+    assert "provenance.json: expected a JSON object" in capsys.readouterr().err
+    assert not (tmp_path / "records" / "train.jsonl").exists()
+
+
+def test_record_from_options_are_checked(tmp_path):
+    for bad in (["--record-from", str(tmp_path)], ["--record-from", str(tmp_path), "--commit", "a" * 40, "--steps",
+                                                   "3"], ["--commit", "a" * 40], []):
+        with pytest.raises(SystemExit) as e:
+            train.main(bad)
+        assert e.value.code == 2, bad
+
+
+def test_a_run_that_cannot_be_recorded_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KIMI_RECORDS_DIR", str(tmp_path / "file"))
+    monkeypatch.setattr(train, "load_corpus", lambda *a, **k: pytest.fail("trained without a records file"))
+    assert train.main(["--out", str(tmp_path / "out"), *QUICK_ARGS]) == 2
+    assert "file" in capsys.readouterr().err and not (tmp_path / "out").exists()
