@@ -1,15 +1,18 @@
-"""Model-level A/B of kernel launch configs: the whole prefill timed under the defaults and under each variant,
-in interleaved rounds of one process, so that a kernel that wins alone (`benchmarks.kernels`) is also judged where
-the model runs it.
+"""Model-level A/B of kernel launch configs and candidate kernels: the whole prefill timed under the defaults and
+under each variant, in interleaved rounds of one process, so that a kernel that wins alone (`benchmarks.kernels`) is
+also judged where the model runs it.
 
-    python -m benchmarks.bench_ab --variant 'down=moe_grouped:{"use": ["down"]}' \
-        --variant 'both_tma=moe_grouped:{"use": ["gate_up", "down"], "down": {"tma": true}}' [--prefill 8192,32768]
-        [--rounds 8] [--preset 48b-a3b] [--device cuda]
+    python -m benchmarks.bench_ab --variant 'down=benchmarks.candidates.moe_grouped:{"use": ["down"]}' \
+        --variant 'both_tma=benchmarks.candidates.moe_grouped:{"gate_up": {"tma": true}, "down": {"tma": true}}' \
+        [--prefill 8192,32768] [--rounds 8] [--preset 48b-a3b] [--device cuda]
 
 A variant is NAME=MODULE:JSON: keys of `model.triton.MODULE.CONFIG` to change (a dict value changes only the
 keys it names; lists become tuples), or of a dotted module's CONFIG: `'thread=benchmarks.timing:{"clocks":
 "thread"}'` samples the clocks on a thread of this process rather than in a child process, and `{"clocks": "off"}`
-not at all, which times the sampler's own cost to the host (`benchmarks.gpu_clocks`). Each round runs the
+not at all, which times the sampler's own cost to the host (`benchmarks.gpu_clocks`). A candidate, a kernel
+measured against the default that did not become it (`benchmarks.candidates`), is named by its module,
+`benchmarks.candidates.MODULE`: the arm runs the model with it installed (its `installed`, through a hook of
+`model.ops`) and its CONFIG changed by JSON, which may be `{}` (the candidate as it stands). Each round runs the
 defaults and every variant once, in an order rotated from round to round, each call a whole `model.prefill` of
 the same random prompt into a fresh cache (`bench_e2e.PrefillCall`), timed by CUDA events from an idle device to
 its end (`benchmarks.timing.time_calls`); one untimed call of each first (kernel compilation). One `kernel` record
@@ -23,12 +26,12 @@ bits). Each timed call also samples the GPU's clocks through NVML (`benchmarks.t
 under the power cap), since a faster kernel can lose its gain to a lower clock in a
 power-capped prefill. A variant whose logits are non-finite or differ past `LOGITS_TOL` is INVALID.
 
-A variant can also be code: NAME=MODULE@REV runs the arm with the kernel module as it was at git revision REV
-(`'old_prep=kda_chunk@REV'`: its file from `git show`, loaded beside today's, `code_at`), in place of today's
-for the arm's calls (`model.ops` imports each kernel module's entry points when it calls them, so the swap reaches
-every call the model makes into it). An arm that no call reached is an error, not a silent copy of the defaults;
-its record's `params.changes` is {"@": the full commit}. Such an arm may change the rounding, which this
-random-weight model amplifies, so it is held to `CODE_LOGITS_TOL`.
+A variant can also be code: NAME=MODULE@REV runs the arm with the `model.triton` kernel module as it was at git
+revision REV (`'old_prep=kda_chunk@REV'`: its file from `git show`, loaded beside today's, `code_at`), in place of
+today's for the arm's calls (`model.ops` imports each kernel module's entry points when it calls them, so the swap
+reaches every call the model makes into it); a candidate is measured as the tree holds it. An arm that no call
+reached is an error, not a silent copy of the defaults; its record's `params.changes` is {"@": the full commit}.
+Such an arm may change the rounding, which this random-weight model amplifies, so it is held to `CODE_LOGITS_TOL`.
     python -m benchmarks.bench_ab --variant 'old_prep=kda_chunk@REV' [--prefill 8192,32768]
 """
 from __future__ import annotations
@@ -50,25 +53,31 @@ import torch
 
 import model.triton as mt
 from benchmarks.bench_e2e import PrefillCall
+from benchmarks.candidates import Unsupported
 from benchmarks.cli import ints
 from benchmarks.timing import Samples, log, summarize, time_calls
 from records.store import REPO_ROOT, git
 
-# Launch configs change summation orders at most (the grouped MoE kernels keep torch's bits exactly); a wrong
+# Launch configs change summation orders at most (the grouped MoE candidate keeps torch's bits exactly); a wrong
 # tile or expert moves bf16 logits by order 1.
 LOGITS_TOL = 2e-2
 # Code may change the rounding: a change of KDA's rounding alone moves the random-weight 48B model's 8k logits by
 # about 0.1 relative RMS (docs/kernels.md#kda-chunk-launch-config); a wrong kernel still moves them by order 1.
 CODE_LOGITS_TOL = 0.5
 CODE = "@"  # the key of a code arm's changes: {"@": revision}
+CANDIDATES = "benchmarks.candidates"  # the package of candidate kernels (`is_candidate`)
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
     """'NAME=MODULE:JSON' -> (name, module, changes), 'NAME=MODULE@REV' -> (name, module, {"@": REV}); a clear error
-    for anything else."""
+    for anything else. JSON is a non-empty object, or for a candidate (`is_candidate`) any object: `{}` runs it as it
+    stands."""
     name, sep, rest = text.partition("=")
     code_module, at, rev = rest.partition("@")
     if sep and at and name and code_module and rev and ":" not in code_module:
+        if is_candidate(code_module):
+            raise argparse.ArgumentTypeError(f"variant {text!r}: a candidate is measured as the tree holds it; a code "
+                                             f"arm (@REV) names a kernel module of model.triton")
         return name, code_module, {CODE: rev}
     module, sep2, body = rest.partition(":")
     if not (sep and sep2 and name and module):
@@ -77,7 +86,7 @@ def parse_variant(text: str) -> tuple[str, str, dict]:
         changes = json.loads(body)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"variant {text!r}: {e}") from None
-    if not isinstance(changes, dict) or not changes:
+    if not isinstance(changes, dict) or not (changes or is_candidate(module)):
         raise argparse.ArgumentTypeError(f"variant {text!r}: JSON must be a non-empty object")
     return name, module, changes
 
@@ -94,11 +103,21 @@ def config_module(module: str) -> str:
     return module if "." in module else f"model.triton.{module}"
 
 
+def is_candidate(module: str) -> bool:
+    """Whether a variant's module is a candidate kernel (`benchmarks.candidates.MODULE`), which the arm installs in
+    the model instead of changing a config that the model reads."""
+    return module.startswith(CANDIDATES + ".")
+
+
 def changed_config(module: str, changes: dict) -> tuple[Mapping, dict]:
     """(`<module>.CONFIG` (`config_module`), that CONFIG with `changes`, merged as `model.triton.launch_config` merges
-    a sweep's overrides); an unknown module (ImportError) or key (KeyError) is an error, before anything runs."""
+    a sweep's overrides, a candidate's by its own `config`); an unknown module (ImportError) or key (KeyError) is an
+    error, before anything runs."""
     name = config_module(module)
-    cfg = getattr(importlib.import_module(name), "CONFIG", None)
+    mod = importlib.import_module(name)
+    cfg = getattr(mod, "CONFIG", None)
+    if is_candidate(module):
+        return cfg, mod.config(_tuples(changes))
     if not isinstance(cfg, (dict, mt.LaunchConfig)):
         raise KeyError(f"{name} has no CONFIG dict to vary")
     return cfg, mt.launch_config(f"{name}.CONFIG", cfg, _tuples(changes))
@@ -113,7 +132,10 @@ _code: dict[tuple[str, str], tuple[object, dict]] = {}
 
 
 def _public_functions(mod) -> dict:
-    """The functions `mod` defines itself and does not mark private: the entry points `model.ops` calls."""
+    """The functions `mod` defines itself and does not mark private: the entry points `model.ops` calls. A candidate
+    names them (`ENTRY_POINTS`: those that launch its kernels, not its config and install helpers)."""
+    if hasattr(mod, "ENTRY_POINTS"):
+        return {k: getattr(mod, k) for k in mod.ENTRY_POINTS}
     return {k: v for k, v in vars(mod).items()
             if inspect.isfunction(v) and v.__module__ == mod.__name__ and not k.startswith("_")}
 
@@ -197,13 +219,13 @@ def counting_calls(module: str):
 
 def calls_during(module: str, changes: dict, run) -> int | None:
     """How many calls `run()` makes into the arm's kernel module: the module as it was at a code arm's revision,
-    or today's `model.triton` module of a config arm; None for a config arm of another module (its CONFIG is read
-    by code this count cannot see, e.g. `benchmarks.timing`)."""
+    today's `model.triton` module of a config arm, or a candidate's `ENTRY_POINTS`; None for a config arm of another
+    module (its CONFIG is read by code this count cannot see, e.g. `benchmarks.timing`)."""
     if is_code(changes):
         before = code_calls(module, changes[CODE])
         run()
         return code_calls(module, changes[CODE]) - before
-    if "." in module:
+    if "." in module and not is_candidate(module):
         run()
         return None
     with counting_calls(module) as reached:
@@ -215,9 +237,14 @@ def calls_during(module: str, changes: dict, run) -> int | None:
 def applied(module: str, changes: dict):
     """`<module>.CONFIG` reading with `changes` inside the block (`changed_config`), as before it after: a kernel
     module's through `model.triton.overrides` (nothing written), a dotted module's plain dict (`benchmarks.timing`)
-    changed and restored. For a code arm ({"@": rev}), the module as it was at rev (`swapped`)."""
+    changed and restored. For a code arm ({"@": rev}), the module as it was at rev (`swapped`); for a candidate, the
+    candidate installed in the model with its CONFIG so changed (its `installed`)."""
     if is_code(changes):
         with swapped(module, changes[CODE]):
+            yield
+        return
+    if is_candidate(module):
+        with importlib.import_module(module).installed(_tuples(changes)):
             yield
         return
     cfg, new = changed_config(module, changes)
@@ -284,10 +311,12 @@ def ab_case(model, T: int, variants: list[tuple[str, str, dict]], rounds: int, d
             continue
         if calls_during(module, changes, lambda: call(arm)) == 0:
             at = f" as it was at {changes[CODE][:12]}" if is_code(changes) else ""
+            where = ("a candidate runs only where the model calls the hook it is installed in: the prefill MoE's "
+                     "grouped experts, on CUDA" if is_candidate(module) else
+                     "the model calls a kernel module through model.ops only where the kernels are Triton's: on "
+                     "CUDA, or KIMI_KERNELS=triton under TRITON_INTERPRET=1; and only where the prefill uses it")
             raise Unreached(f"variant {name}: no call of the prefill reached {config_module(module)}{at}, so the arm "
-                            f"would run the defaults' code (the model calls a kernel module through model.ops only "
-                            f"where the kernels are Triton's: on CUDA, or KIMI_KERNELS=triton under "
-                            f"TRITON_INTERPRET=1; and only where the prefill uses it)")
+                            f"would run the defaults' code ({where})")
     for r in range(rounds):
         k = r % len(arms)
         for arm in arms[k:] + arms[:k]:
@@ -352,7 +381,9 @@ def ab_records(model_desc: dict, T: int, variants, out: dict, device_name: str) 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_ab", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variant", type=parse_variant, action="append", required=True, help="NAME=MODULE:JSON")
+    ap.add_argument("--variant", type=parse_variant, action="append", required=True,
+                    help="NAME=MODULE:JSON or NAME=MODULE@REV; MODULE a kernel module of model.triton, a dotted "
+                         "module with a CONFIG, or a candidate, benchmarks.candidates.MODULE")
     ap.add_argument("--prefill", type=ints, default=[8192], help="prompt lengths")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--preset", default="48b-a3b")
@@ -388,7 +419,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for T in args.prefill:
         try:
             out = ab_case(loaded.model, T, variants, args.rounds, args.device, args.seed)
-        except Unreached as e:
+        except (Unreached, Unsupported) as e:  # an arm the model never ran, or a candidate refusing the inputs
             ap.error(str(e))
         recs += ab_records(desc, T, variants, out, device_name)
     return recs

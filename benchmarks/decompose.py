@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--trace-dir", default=str(REPO_ROOT / "reports" / "traces"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variant", type=bench_ab.parse_variant,
-                    help="NAME=MODULE:JSON: trace with model.triton.MODULE.CONFIG changed (see benchmarks.bench_ab)")
+                    help="NAME=MODULE:JSON: trace with a launch config changed or a candidate installed "
+                         "(see benchmarks.bench_ab)")
     a = ap.parse_args(argv)
     quick = dict(preset="tiny", device="cpu", dtype="float32", steps=4, context=16)
     full = dict(preset="48b-a3b", device="cuda", dtype="bfloat16", steps=32, context=1024)

@@ -2,12 +2,16 @@
 
 `KIMI_KERNELS` = `auto` (Triton on CUDA tensors, PyTorch elsewhere), `torch`, or `triton` (Triton everywhere;
 on a CPU that needs `TRITON_INTERPRET=1`). `use("torch")` overrides it inside a `with` block (tests, A/B runs).
+`experts_kernel(fn)` runs another computation of the prefill MoE's grouped experts inside a block (a candidate kernel
+under a model-level A/B, kept outside the model).
 The PyTorch forms are the references: `model.kda`, `model.norms`, and the functions below.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -266,23 +270,42 @@ def moe_experts(x, idx, w, gate_up, down, shared=None):
 
 
 def moe_experts_grouped(x, idx, w, gate_up, down, shared_out=None):
-    """Grouped-GEMM form: the (token, expert) pairs sorted by expert, one grouped GEMM per projection for all
-    experts (prefill), then `moe_combine`; returns x's dtype. Each projection is torch's grouped GEMM or, in bf16 on
-    Triton, the Triton kernel `model.triton.moe_grouped.CONFIG["use"]` names for it (the same bits: see there)."""
+    """Grouped-GEMM form: the (token, expert) pairs sorted by expert, the experts' outputs of all pairs at once
+    (`grouped_experts`, or the function an enclosing `experts_kernel` block gives), then `moe_combine`; returns x's
+    dtype."""
     N, K = idx.shape
-    E, I = gate_up.shape[0], down.shape[2]
-    order, offs = sort_by_expert(idx, E)
-    use = ()
-    if _triton(x) and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16:
-        from .triton import moe_grouped
-        use = moe_grouped.CONFIG["use"]
-    if "gate_up" in use:
-        h = moe_grouped.gate_up_silu(x, order, offs, gate_up, K)
-    else:
-        gu = grouped_mm(moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
-        h = silu_mul(gu[:, :I], gu[:, I:])
-    out = moe_grouped.down(h, offs, down) if "down" in use else grouped_mm(h, down.transpose(1, 2), offs)
+    order, offs = sort_by_expert(idx, gate_up.shape[0])
+    out = (_experts_kernel.get() or grouped_experts)(x, order, offs, gate_up, down, K)
     return moe_combine(out, pair_rows(order).view(N, K), w, shared_out, x.dtype)
+
+
+def grouped_experts(x, order, offs, gate_up, down, K: int):
+    """out [N*K, D] = down[e](silu(w1[e] x) * w3[e] x) for each (token, expert) pair in the sorted order (token
+    order[r] // K, expert e by offs), in x's dtype: the dispatch copy, one grouped GEMM per projection and silu_mul."""
+    I = down.shape[2]
+    gu = grouped_mm(moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
+    h = silu_mul(gu[:, :I], gu[:, I:])
+    return grouped_mm(h, down.transpose(1, 2), offs)
+
+
+# The function `moe_experts_grouped` runs in place of `grouped_experts` in this context (None: `grouped_experts`).
+# A ContextVar, so a block's change is seen by its thread (or task) alone and undone exactly by that block.
+_experts_kernel: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("experts_kernel", default=None)
+
+
+@contextlib.contextmanager
+def experts_kernel(fn: Callable | None):
+    """Inside the block, in this thread or task, `moe_experts_grouped` computes the pairs' expert outputs as
+    fn(x, order, offs, gate_up, down, K), which must return what `grouped_experts` does; None: `grouped_experts`
+    itself. On leaving, also by an exception, as before. The one way a kernel that is not the model's default (a
+    candidate under a model-level A/B) runs inside the model."""
+    if fn is not None and not callable(fn):
+        raise TypeError(f"experts_kernel takes a function of (x, order, offs, gate_up, down, K) or None, got {fn!r}")
+    token = _experts_kernel.set(fn)
+    try:
+        yield
+    finally:
+        _experts_kernel.reset(token)
 
 
 def pair_rows(order):

@@ -310,7 +310,7 @@ def test_decompose_prefill_quick(records_dir, tmp_path):
     assert q["kernels_per_step"] > 27
 
 
-def test_decompose_traces_under_a_variant_and_records_it(records_dir, tmp_path, monkeypatch):
+def test_decompose_traces_under_a_variant_and_records_it(records_dir, tmp_path, monkeypatch, capsys):
     """`--variant` holds the config changed while the model runs (and only then), and the record names it; a key
     the module lacks is refused before anything runs. The kernels run through Triton's interpreter, so the prefill
     reaches the chunk kernel's module."""
@@ -330,7 +330,9 @@ def test_decompose_traces_under_a_variant_and_records_it(records_dir, tmp_path, 
     assert r["params"]["variant"] == {"name": "v", "module": "kda_chunk", "changes": {"scan_warps": 2}}
     assert r["verdict"] == "VALID", r["reasons"]
     with pytest.raises(SystemExit):
-        decompose.main(["--quick", "--phase", "prefill", "--variant", 'v=moe_grouped:{"nokey": 1}'])
+        decompose.main(["--quick", "--phase", "prefill", "--variant",
+                        'v=benchmarks.candidates.moe_grouped:{"nokey": 1}'])
+    assert "unknown cfg keys ['nokey']" in capsys.readouterr().err
 
 
 def test_benchmark_arguments_that_would_measure_nothing_are_refused(records_dir, capsys):
@@ -353,11 +355,13 @@ def test_benchmark_arguments_that_would_measure_nothing_are_refused(records_dir,
 
 
 def test_decompose_under_a_variant_no_call_reaches_is_invalid(records_dir, tmp_path):
-    """The negative control: on a CPU's PyTorch forms nothing calls model.triton.moe_grouped, so the trace is the
-    defaults' whatever the variant says; the record says so, INVALID, instead of naming a variant that never ran."""
+    """The negative control: on a CPU the model's MoE never runs the grouped experts, where a candidate is installed,
+    so the trace is the defaults' whatever the variant says; the record says so, INVALID, instead of naming a variant
+    that never ran."""
     (r,) = decompose.main(["--quick", "--phase", "prefill", "--trace-dir", str(tmp_path / "traces"),
-                           "--variant", 'v=moe_grouped:{"down": {"tma": true}}'])
-    assert r["verdict"] == "INVALID" and any("reached no call of model.triton.moe_grouped" in x for x in r["reasons"])
+                           "--variant", 'v=benchmarks.candidates.moe_grouped:{"down": {"tma": true}}'])
+    assert r["verdict"] == "INVALID"
+    assert any("reached no call of benchmarks.candidates.moe_grouped" in x for x in r["reasons"]), r["reasons"]
 
 
 def test_decompose_holds_the_variant_for_every_mode(records_dir, tmp_path, monkeypatch):
@@ -446,33 +450,84 @@ def test_a_peer_out_of_memory_is_a_skip_not_a_failure():
 
 # ---- bench_ab: model-level A/B of launch configs ---------------------------------------------------
 
-def test_ab_variant_parsing_rejects_what_it_cannot_apply():
+CANDIDATE = "benchmarks.candidates.moe_grouped"
+
+
+def test_ab_variant_parsing_rejects_what_it_cannot_apply(capsys):
     from benchmarks import bench_ab
-    assert bench_ab.parse_variant('x=moe_grouped:{"use": ["down"]}') == ("x", "moe_grouped", {"use": ["down"]})
-    for bad in ("x", "x=moe_grouped", "=moe_grouped:{}", 'x=moe_grouped:{"use"', "x=moe_grouped:[1]",
-                "x=moe_grouped:{}"):
+    assert bench_ab.parse_variant(f'x={CANDIDATE}:{{"use": ["down"]}}') == ("x", CANDIDATE, {"use": ["down"]})
+    assert bench_ab.parse_variant(f"x={CANDIDATE}:{{}}") == ("x", CANDIDATE, {})  # a candidate as it stands
+    for bad in ("x", "x=kda_chunk", "=kda_chunk:{}", 'x=kda_chunk:{"scan_warps"', "x=kda_chunk:[1]",
+                "x=kda_chunk:{}", f"x={CANDIDATE}", f"x={CANDIDATE}@HEAD"):
         with pytest.raises(Exception):
             bench_ab.parse_variant(bad)
-    with pytest.raises(SystemExit):  # an unknown key fails before any model is built
-        bench_ab.main(["--preset", "tiny", "--device", "cpu", "--variant", 'x=moe_grouped:{"tiles": 1}'])
-    with pytest.raises(SystemExit):
-        bench_ab.main(["--preset", "tiny", "--device", "cpu", "--variant", 'defaults=moe_grouped:{"use": []}'])
+    # each fails before any model is built: an unknown key, a `use` of no kernel, a reserved name, and the grouped
+    # kernels' old name, which is no kernel module of model.triton
+    for variant, why in ((f'x={CANDIDATE}:{{"tiles": 1}}', "unknown cfg keys ['tiles']"),
+                         (f'x={CANDIDATE}:{{"use": []}}', "'use' must name one or both of"),
+                         (f'defaults={CANDIDATE}:{{"use": ["down"]}}', "not 'defaults'"),
+                         ('x=moe_grouped:{"use": ["down"]}', "model.triton.moe_grouped")):
+        with pytest.raises(SystemExit):
+            bench_ab.main(["--preset", "tiny", "--device", "cpu", "--variant", variant])
+        assert why in capsys.readouterr().err, variant
 
 
-def test_ab_applied_changes_only_the_named_keys_and_restores_them():
+def test_ab_applied_changes_only_the_named_keys_and_restores_them(monkeypatch):
+    """A candidate arm installs the candidate for its block alone: the model's grouped experts call it with its
+    CONFIG changed in the named keys only (JSON lists as tuples), nothing written; after the block, and after a
+    change it refuses, the torch form runs again."""
     from benchmarks import bench_ab
-    from model.triton import moe_grouped
-    before = {k: (dict(v) if isinstance(v, dict) else v) for k, v in moe_grouped.CONFIG.items()}
-    with bench_ab.applied("moe_grouped", {"use": ["gate_up", "down"], "down": {"tma": True}}):
-        c = moe_grouped.CONFIG
-        assert c["use"] == ("gate_up", "down") and c["down"]["tma"] is True
-        assert {k: v for k, v in c["down"].items() if k != "tma"} == {k: v for k, v in before["down"].items()
-                                                                       if k != "tma"}
-    assert moe_grouped.CONFIG == before
+    import model.triton as mt
+    from benchmarks.candidates import moe_grouped
+    from model import ops
+    before = mt.plain(moe_grouped.CONFIG)
+    seen = []
+
+    def spy(x, order, offs, gate_up, down, K, cfg=None):  # the torch form's outputs: no Triton kernel runs
+        seen.append(cfg)
+        return ops.grouped_experts(x, order, offs, gate_up, down, K)
+    monkeypatch.setattr(moe_grouped, "experts", spy)
+    g = torch.Generator().manual_seed(0)
+    x, idx, w = torch.randn(5, 8, generator=g), torch.randint(0, 3, (5, 2), generator=g), torch.rand(5, 2)
+    gate_up, down = torch.randn(3, 8, 8, generator=g), torch.randn(3, 8, 4, generator=g)
+    ref = ops.moe_experts_grouped(x, idx, w, gate_up, down)
+    with bench_ab.applied(CANDIDATE, {"use": ["down"], "down": {"tma": True}}):
+        assert torch.equal(ops.moe_experts_grouped(x, idx, w, gate_up, down), ref)
+    assert len(seen) == 1 and seen[0]["use"] == ("down",) and seen[0]["down"] == {**before["down"], "tma": True}
+    assert {k: v for k, v in seen[0].items() if k not in ("use", "down")} == {
+        k: v for k, v in before.items() if k not in ("use", "down")}
+    ops.moe_experts_grouped(x, idx, w, gate_up, down)
+    assert len(seen) == 1 and mt.plain(moe_grouped.CONFIG) == before
     with pytest.raises(KeyError, match=r"CONFIG\[.down.\]: unknown cfg keys \[.BQ.\]; its keys: \[.BK., "):
-        with bench_ab.applied("moe_grouped", {"down": {"BQ": 1}}):
+        with bench_ab.applied(CANDIDATE, {"down": {"BQ": 1}}):
             pass
-    assert moe_grouped.CONFIG == before
+    ops.moe_experts_grouped(x, idx, w, gate_up, down)
+    assert len(seen) == 1 and mt.plain(moe_grouped.CONFIG) == before
+
+
+def test_ab_candidate_arm_counts_only_the_calls_that_reach_its_kernels():
+    """The positive control of the unreached-arm error: each grouped-experts call of the model inside the arm
+    reaches the candidate's kernels once for each kernel its `use` names (Triton's interpreter, bf16), and
+    installing it or checking its config is no call."""
+    from benchmarks import bench_ab
+    from model import ops
+    g = torch.Generator().manual_seed(0)
+    N, E, K, D, I = 6, 4, 2, 16, 8
+    x = torch.randn(N, D, generator=g).bfloat16()
+    gate_up = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).bfloat16()
+    down = (torch.randn(E, D, I, generator=g) / I ** 0.5).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    w = torch.rand(N, K, generator=g)
+    tiles = dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2)
+    for use, calls in ((["down"], 1), (["gate_up", "down"], 2)):
+        changes = {"use": use, "gate_up": tiles, "down": tiles}
+
+        def run(n):
+            with bench_ab.applied(CANDIDATE, changes), ops.use("triton"):
+                for _ in range(n):
+                    ops.moe_experts_grouped(x, idx, w, gate_up, down)
+        assert bench_ab.calls_during(CANDIDATE, changes, lambda: run(2)) == 2 * calls
+        assert bench_ab.calls_during(CANDIDATE, changes, lambda: run(0)) == 0
 
 
 def test_ab_quick_end_to_end(records_dir, monkeypatch):
@@ -495,14 +550,14 @@ def test_ab_quick_end_to_end(records_dir, monkeypatch):
 
 
 def test_ab_config_arm_that_no_call_reaches_is_an_error(records_dir, capsys):
-    """The negative control: on a CPU the model runs PyTorch's forms and never calls model.triton.moe_grouped (CUDA
-    only), so an A/B of its config would time the defaults twice and call it VALID; it is an error, and no record
-    is written. A value of the wrong kind is refused before the model is built."""
+    """The negative control: on a CPU the model's MoE never runs the grouped experts (CUDA only), where a candidate
+    is installed, so an A/B of it would time the defaults twice and call it VALID; it is an error, and no record is
+    written. A value of the wrong kind is refused before the model is built."""
     from benchmarks import bench_ab
     with pytest.raises(SystemExit):
         bench_ab.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prefill", "9", "--rounds", "1",
-                       "--variant", 'a=moe_grouped:{"use": ["down"]}'])
-    assert "no call of the prefill reached model.triton.moe_grouped" in capsys.readouterr().err
+                       "--variant", f'a={CANDIDATE}:{{"use": ["down"]}}'])
+    assert f"no call of the prefill reached {CANDIDATE}, so the arm" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_ab.main(["--preset", "tiny", "--device", "cpu", "--variant", 'x=kda_chunk:{"scan_warps": "eight"}'])
     assert "'scan_warps' must be a number as its default 4 is, got 'eight'" in capsys.readouterr().err
@@ -526,7 +581,7 @@ def test_ab_logits_that_moved_make_the_record_invalid(records_dir):
                      "host_ms": [9.0, 10.0]},
            "moved": {"samples": [9.0, 10.0], "logits": ref.flip(-1)},
            "nan": {"samples": [9.0, 10.0], "logits": torch.full_like(ref, float("nan"))}}
-    variants = [(n, "moe_grouped", {"use": ["down"]}) for n in ("close", "moved", "nan")]
+    variants = [(n, CANDIDATE, {"use": ["down"]}) for n in ("close", "moved", "nan")]
     recs = bench_ab.ab_records({"preset": "tiny", "model_dtype": "float32", "weights": "w"}, 64, variants, out, "cpu")
     assert [r["verdict"] for r in recs] == ["VALID", "INVALID", "INVALID"]
     assert "differ" in recs[1]["reasons"][0] and "finite" in recs[2]["reasons"][0]

@@ -70,14 +70,16 @@ NAMES = {
 
 
 def test_every_kernel_of_ours_has_a_category():
-    """Each Triton kernel in model/triton, by the name the profiler reports (the function's), falls in a category
+    """Each Triton kernel in model/triton and benchmarks/candidates (whose kernels an A/B's trace shows), by the name
+    the profiler reports (the function's), falls in a category
     other than `other`: a new kernel whose name no pattern knows would otherwise hide in `other` (until a review
     found them there: the prefill MoE's grouped GEMMs, 39% of the prefill in one A/B's trace, the MLA absorb, the
     dispatch and the SwiGLU kernel)."""
     import pathlib
     import re
-    root = pathlib.Path(__file__).resolve().parents[1] / "model" / "triton"
-    names = [n for f in sorted(root.glob("*.py")) for n in re.findall(r"^def (_\w+_kernel)\(", f.read_text(), re.M)]
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    files = sorted((repo / "model" / "triton").glob("*.py")) + sorted((repo / "benchmarks" / "candidates").glob("*.py"))
+    names = [n for f in files for n in re.findall(r"^def (_\w+_kernel)\(", f.read_text(), re.M)]
     assert len(names) >= 20, names
     assert {n: categorize(n) for n in names if categorize(n) == "other"} == {}
 

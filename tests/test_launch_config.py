@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import model.triton as mt
-from model import ops
-from model.triton import conv, kda_chunk, mla_decode as ml, moe_grouped
+from model.triton import conv, kda_chunk, mla_decode as ml
 
 KERNEL_MODULES = sorted(m.name for m in pkgutil.iter_modules(mt.__path__))
 
@@ -34,7 +33,7 @@ def test_every_kernel_modules_launch_config_is_read_only_from_outside():
     module's functions stay patchable (the A/B's call counter and tests wrap them)."""
     found = launch_configs()
     assert {"conv.CONFIG", "kda_chunk.CONFIG", "kda_decode.DECODE", "mla_decode.CONFIG", "mla_decode.SHORT",
-            "mla_decode.ABSORB", "moe.GATE_UP", "moe_dispatch.DISPATCH", "moe_grouped.CONFIG"} <= set(found)
+            "mla_decode.ABSORB", "moe.GATE_UP", "moe_dispatch.DISPATCH"} <= set(found)
     for key, (mod, attr, cfg) in found.items():
         assert isinstance(cfg, mt.LaunchConfig) and cfg.key == key, key
         before = mt.plain(cfg)
@@ -64,8 +63,8 @@ def test_monkeypatching_a_launch_config_is_refused(monkeypatch):
     with pytest.raises(AttributeError, match="model.triton.overrides"):
         monkeypatch.setattr(ml, "SHORT", None)
     with pytest.raises(TypeError):
-        monkeypatch.setitem(moe_grouped.CONFIG, "use", ("down",))
-    assert ml.SHORT["heads"] == 16 and moe_grouped.CONFIG["use"] == ()
+        monkeypatch.setitem(kda_chunk.CONFIG, "scan_warps", 2)
+    assert ml.SHORT["heads"] == 16 and kda_chunk.CONFIG["scan_warps"] == 4
 
 
 class Spy:
@@ -138,7 +137,10 @@ def test_the_kernel_checks_a_scoped_config_as_it_checks_a_cfg():
 
 @pytest.mark.parametrize("changes, why", [
     ({"conv.CONFIG": dict(BQ=16)}, r"conv.CONFIG: unknown cfg keys \['BQ'\]; its keys: \['BC', 'BT', "),
-    ({"moe_grouped.CONFIG": dict(down=dict(tma=True, BQ=1))}, r"moe_grouped.CONFIG\['down'\]: unknown cfg keys"),
+    ({"kda_chunk.CONFIG": dict(scan_warps=2, exact=dict(chunk=64, BQ=1))},
+     r"kda_chunk.CONFIG\['exact'\]: unknown cfg keys \['BQ'\]"),
+    # a candidate kernel is no kernel module of model.triton (benchmarks.candidates: installed, not configured)
+    ({"moe_grouped.CONFIG": dict(use=("down",))}, "'moe_grouped.CONFIG' names no launch config"),
     ({"kda_chunk.CONFIG": dict(scan_warps="eight")}, "'scan_warps' must be a number as its default 4 is"),
     ({"conv.CONFIG": [("BT", 16)]}, "must be an object of keys to change"),
     ({"conv.NOPE": dict(BT=16)}, "'conv.NOPE' names no launch config"),
@@ -166,18 +168,18 @@ def test_overrides_nest_change_nested_configs_key_by_key_and_stay_in_their_threa
     """An inner block changes the outer block's config (and is undone to it), a nested config keeps the keys the
     change does not name, and another thread sees the defaults (a ContextVar, not a global)."""
     seen = []
-    with mt.overrides({"moe_grouped.CONFIG": dict(use=("down",), down=dict(tma=True))}):
-        with mt.overrides({"moe_grouped.CONFIG": dict(down=dict(BM=64)), "mla_decode.SHORT": dict(heads=None)}):
-            assert mt.plain(moe_grouped.CONFIG["down"]) == {**moe_grouped.CONFIG.defaults["down"], "tma": True,
-                                                             "BM": 64}
-            assert moe_grouped.CONFIG["use"] == ("down",) and ml.SHORT["heads"] is None
-            t = threading.Thread(target=lambda: seen.append((moe_grouped.CONFIG["use"], ml.SHORT["heads"])))
+    with mt.overrides({"kda_chunk.CONFIG": dict(scan_warps=2, exact=dict(chunk=64))}):
+        with mt.overrides({"kda_chunk.CONFIG": dict(exact=dict(prep_warps=4)), "mla_decode.SHORT": dict(heads=None)}):
+            assert mt.plain(kda_chunk.CONFIG["exact"]) == {**kda_chunk.CONFIG.defaults["exact"], "chunk": 64,
+                                                           "prep_warps": 4}
+            assert kda_chunk.CONFIG["scan_warps"] == 2 and ml.SHORT["heads"] is None
+            t = threading.Thread(target=lambda: seen.append((kda_chunk.CONFIG["scan_warps"], ml.SHORT["heads"])))
             t.start()
             t.join()
-        assert moe_grouped.CONFIG["down"]["BM"] == 128 and moe_grouped.CONFIG["down"]["tma"] is True
+        assert kda_chunk.CONFIG["exact"]["prep_warps"] == 2 and kda_chunk.CONFIG["exact"]["chunk"] == 64
         assert ml.SHORT["heads"] == 16
-    assert seen == [((), 16)]
-    assert mt.plain(moe_grouped.CONFIG) == mt.plain(moe_grouped.CONFIG.defaults)
+    assert seen == [(4, 16)]
+    assert mt.plain(kda_chunk.CONFIG) == mt.plain(kda_chunk.CONFIG.defaults)
 
 
 def test_a_launch_config_equals_and_serialises_as_its_dict():
@@ -188,8 +190,8 @@ def test_a_launch_config_equals_and_serialises_as_its_dict():
                                                                                           num_warps=4)
     assert kda_chunk.CONFIG != {**mt.plain(kda_chunk.CONFIG), "chunk": 64}
     assert json.loads(json.dumps(mt.plain(kda_chunk.CONFIG)))["exact"] == {"chunk": 32, "prep_warps": 2}
-    c = mt.launch_config("moe_grouped", moe_grouped.CONFIG, dict(down=dict(tma=True)))
-    assert type(c) is dict and type(c["down"]) is dict and type(c["gate_up"]) is dict and c["down"]["tma"] is True
+    c = mt.launch_config("kda_chunk", kda_chunk.CONFIG, dict(exact=dict(chunk=64)))
+    assert type(c) is dict and type(c["exact"]) is dict and c["exact"] == {"chunk": 64, "prep_warps": 2}
 
 
 def test_mla_layout_reads_short_from_the_block(monkeypatch):
@@ -210,31 +212,6 @@ def test_mla_layout_reads_short_from_the_block(monkeypatch):
     assert ml.plan(8192, 1, 32, torch.bfloat16, cuda).rows == "positions"
 
 
-def test_a_scoped_override_reaches_the_model_code_that_reads_the_config(monkeypatch):
-    """`model.ops` picks the grouped MoE's kernels by reading `moe_grouped.CONFIG["use"]`: inside the block it calls
-    the Triton down kernel with the block's tiles, outside it torch's grouped GEMM (the negative control)."""
-    g = torch.Generator().manual_seed(0)
-    N, E, K, D, I = 3, 4, 2, 16, 8
-    x = torch.randn(N, D, generator=g).bfloat16()
-    gate_up = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).bfloat16()
-    down = (torch.randn(E, D, I, generator=g) / I ** 0.5).bfloat16()
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
-    w = torch.rand(N, K, generator=g)
-    calls, real = [], moe_grouped.down
-    monkeypatch.setattr(moe_grouped, "down", lambda *a, **k: (calls.append(mt.plain(moe_grouped.CONFIG["down"])),
-                                                              real(*a, **k))[1])
-    tiles = dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2)
-    with ops.use("triton"):
-        ref = ops.moe_experts_grouped(x, idx, w, gate_up, down)
-        assert calls == []
-        with mt.overrides({"moe_grouped.CONFIG": dict(use=("down",), down=tiles)}):
-            y = ops.moe_experts_grouped(x, idx, w, gate_up, down)
-        assert len(calls) == 1 and {k: calls[0][k] for k in tiles} == tiles
-        ops.moe_experts_grouped(x, idx, w, gate_up, down)
-    assert len(calls) == 1
-    assert torch.isfinite(y).all() and (y.float() - ref.float()).norm() / ref.float().norm() < 2e-2
-
-
 def test_the_ab_harness_changes_a_kernel_config_without_writing_it():
     """`bench_ab.applied` (and with it `decompose --variant`) runs its block inside `overrides`: the config reads
     changed there, its defaults are untouched, and after the block it reads as before."""
@@ -244,10 +221,10 @@ def test_the_ab_harness_changes_a_kernel_config_without_writing_it():
         assert kda_chunk.CONFIG.defaults["scan_warps"] == 4 and kda_chunk.CONFIG.defaults["exact"]["chunk"] == 32
     assert kda_chunk.CONFIG["scan_warps"] == 4 and kda_chunk.CONFIG["exact"]["chunk"] == 32
     with pytest.raises(RuntimeError):
-        with bench_ab.applied("moe_grouped", {"use": ["down"]}):
-            assert moe_grouped.CONFIG["use"] == ("down",)
+        with bench_ab.applied("kda_chunk", {"exact": {"prep_warps": 4}}):
+            assert kda_chunk.CONFIG["exact"]["prep_warps"] == 4
             raise RuntimeError("an arm that fails")
-    assert moe_grouped.CONFIG["use"] == ()
+    assert kda_chunk.CONFIG["exact"]["prep_warps"] == 2 and kda_chunk.CONFIG["scan_warps"] == 4
 
 
 @pytest.mark.gpu

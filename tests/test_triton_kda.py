@@ -872,7 +872,7 @@ def sm90_spills() -> dict:
                                       dict(K=K, D=2304, BR=moe_dispatch.DISPATCH["BR"], BD=moe_dispatch.DISPATCH["BD"]),
                                       [dict(M=T * K) for T in (8192, 1001)],
                                       num_warps=moe_dispatch.DISPATCH["num_warps"])
-    from model.triton import moe_grouped as mg
+    from benchmarks.candidates import moe_grouped as mg
     gc = mg.CONFIG
 
     def tiles(k):

@@ -5,8 +5,6 @@ leaves unwritten fails the comparison. Tests marked `gpu` run the model's real s
 E=256, top-8 + shared expert, bf16) and the bf16 rounding points."""
 
 
-import contextlib  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -40,14 +38,6 @@ def _nan_empty(*shape, dtype, device):
 def poisoned_buffers():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mt, "empty", _nan_empty)
-        yield
-
-
-@contextlib.contextmanager
-def config(cfg, **changes):
-    """A kernel module's launch config with some keys changed inside the block, through the scoped override
-    (hypothesis tests take no function-scoped monkeypatch)."""
-    with mt.overrides({cfg.key: changes}):
         yield
 
 
@@ -303,7 +293,7 @@ def test_prefill_moe_layer_does_not_sync():
 def test_expert_tiles_cover_every_row_once(counts, BM):
     """The fused grouped GEMMs' row tiles: each of an expert's rows in exactly one tile of that expert, tiles in
     expert order, and the grid's spare tiles (room for any routing) marked dead."""
-    from model.triton.moe_grouped import expert_tiles
+    from benchmarks.candidates.moe_grouped import expert_tiles
     offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
     M = int(offs[-1])
     tile_e, tile_r0 = expert_tiles(offs, M, BM)
@@ -325,11 +315,12 @@ def test_expert_tiles_cover_every_row_once(counts, BM):
        shared=st.booleans(), n_fastest=st.booleans(), use=st.sampled_from([("gate_up", "down"), ("down",), ("gate_up",)]),
        tma=st.booleans(), persistent=st.booleans())
 def test_fused_grouped_form_matches_the_torch_form(N, E, K, seed, shared, n_fastest, use, tma, persistent):
-    """The Triton grouped GEMMs with the dispatch and SwiGLU fused in (under evaluation, `moe_grouped.CONFIG`)
-    against the torch grouped form and the reference loop, bf16, at widths that leave partial tiles in every
-    dimension, in either program order, with either or both kernels in place of torch's, their tiles loaded by
-    TMA descriptors or per thread, a program a tile or persistent programs; outputs NaN-poisoned."""
-    from model.triton import moe_grouped
+    """The candidate Triton grouped GEMMs with the dispatch and SwiGLU fused in (`benchmarks.candidates.moe_grouped`,
+    installed in the model's grouped experts) against the torch grouped form and the reference loop, bf16, at widths
+    that leave partial tiles in every dimension, in either program order, with either or both kernels in place of
+    torch's, their tiles loaded by TMA descriptors or per thread, a program a tile or persistent programs; outputs
+    NaN-poisoned."""
+    from benchmarks.candidates import moe_grouped
     g = torch.Generator().manual_seed(seed)
     D, I = 40, 24
     x = torch.randn(N, D, generator=g).bfloat16()
@@ -340,9 +331,10 @@ def test_fused_grouped_form_matches_the_torch_form(N, E, K, seed, shared, n_fast
     s = torch.randn(N, D, generator=g).bfloat16() if shared else None
     with ops.use("triton"):
         torch_form = ops.moe_experts_grouped(x, idx, w, gate_up, down, s)
-        with config(moe_grouped.CONFIG, use=use, n_fastest=n_fastest,
-                    gate_up=dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2, tma=tma, persistent=persistent),
-                    down=dict(BM=32, BN=16, BK=16, num_warps=4, num_stages=2, tma=tma, persistent=persistent)):
+        with moe_grouped.installed(dict(
+                use=use, n_fastest=n_fastest,
+                gate_up=dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2, tma=tma, persistent=persistent),
+                down=dict(BM=32, BN=16, BK=16, num_warps=4, num_stages=2, tma=tma, persistent=persistent))):
             fused = ops.moe_experts_grouped(x, idx, w, gate_up, down, s)
     loop = ops.moe_experts_torch(x, idx, w, gate_up, down) + (0 if s is None else s.float())
     assert fused.dtype == torch.bfloat16 and torch.isfinite(fused).all()
@@ -359,14 +351,9 @@ def test_control_grouped_kernels_on_the_wrong_experts_are_caught(use, tma, monke
     """The fused-form test's checks see a kernel that multiplies a row tile by its neighbour expert's weights (each
     tile's expert shifted by one, and with it the tile's live rows): non-finite rows (left unwritten) or far past
     its tolerance, with the tiles loaded either way."""
-    from model.triton import moe_grouped
-    g = torch.Generator().manual_seed(1)
-    N, E, K, D, I = 20, 4, 2, 40, 24
-    x = torch.randn(N, D, generator=g).bfloat16()
-    gate_up = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).bfloat16()
-    down = (torch.randn(E, D, I, generator=g) / I ** 0.5).bfloat16()
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
-    w = torch.rand(N, K, generator=g)
+    from benchmarks.candidates import moe_grouped
+    x, idx, w, gate_up, down = _small_moe(seed=1, N=20, D=40, I=24)
+    E = gate_up.shape[0]
     real = moe_grouped.expert_tiles
 
     def shifted(offs, M, BM):
@@ -374,10 +361,125 @@ def test_control_grouped_kernels_on_the_wrong_experts_are_caught(use, tma, monke
         return torch.where(e >= 0, (e + 1) % E, e), r0
     monkeypatch.setattr(moe_grouped, "expert_tiles", shifted)
     tiles = dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2, tma=tma, persistent=False)
-    with ops.use("triton"), config(moe_grouped.CONFIG, use=use, gate_up=tiles, down=tiles):
+    with ops.use("triton"), moe_grouped.installed(dict(use=use, gate_up=tiles, down=tiles)):
         wrong = ops.moe_experts_grouped(x, idx, w, gate_up, down)
     loop = ops.moe_experts_torch(x, idx, w, gate_up, down)
     assert not (torch.isfinite(wrong).all() and rel_err(wrong.float(), loop) < 2e-2)
+
+
+def _small_moe(seed=0, N=3, E=4, K=2, D=16, I=8, dtype=torch.bfloat16):
+    """(x, idx, w, gate_up, down): a small seeded MoE layer's inputs, each token's K experts distinct."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g).to(dtype)
+    gate_up = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(dtype)
+    down = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    return x, idx, torch.rand(N, K, generator=g), gate_up, down
+
+
+def test_experts_kernel_runs_its_function_inside_its_block_alone():
+    """`ops.experts_kernel(fn)`: inside the block `moe_experts_grouped` combines what fn returns for the sorted pairs
+    (here the torch form's outputs doubled, so the fp32 result doubles exactly); outside it, after an inner block of
+    None, after a block that raised, and in another thread inside the block, the torch form's bits."""
+    import threading
+    x, idx, w, gate_up, down = _small_moe(dtype=torch.float32)
+    ref = ops.moe_experts_grouped(x, idx, w, gate_up, down)
+    seen = []
+
+    def doubled(x_, order, offs, gate_up_, down_, K):
+        seen.append((order, offs, K))
+        return 2 * ops.grouped_experts(x_, order, offs, gate_up_, down_, K)
+    with ops.experts_kernel(doubled):
+        y = ops.moe_experts_grouped(x, idx, w, gate_up, down)
+        with ops.experts_kernel(None):
+            assert torch.equal(ops.moe_experts_grouped(x, idx, w, gate_up, down), ref)
+        other = []
+        t = threading.Thread(target=lambda: other.append(ops.moe_experts_grouped(x, idx, w, gate_up, down)))
+        t.start()
+        t.join()
+    assert torch.equal(y, 2 * ref) and not torch.equal(y, ref)
+    assert len(seen) == 1 and seen[0][2] == idx.shape[1]
+    order, offs = ops.sort_by_expert(idx, gate_up.shape[0])
+    assert torch.equal(seen[0][0], order) and torch.equal(seen[0][1], offs)
+    assert torch.equal(other[0], ref)
+    with pytest.raises(RuntimeError, match="inside the block"):
+        with ops.experts_kernel(doubled):
+            raise RuntimeError("a failure inside the block")
+    assert torch.equal(ops.moe_experts_grouped(x, idx, w, gate_up, down), ref) and len(seen) == 1
+    with pytest.raises(TypeError, match="takes a function"):
+        with ops.experts_kernel("moe_grouped"):
+            pass
+
+
+def test_an_installed_candidate_reaches_the_models_grouped_experts(monkeypatch):
+    """`installed` runs the candidate inside `moe_experts_grouped`: its down kernel is called with the block's tiles
+    inside the block, and not outside it, where torch's grouped GEMM runs (the negative control)."""
+    from benchmarks.candidates import moe_grouped
+    x, idx, w, gate_up, down = _small_moe()
+    calls, real = [], moe_grouped.down
+    monkeypatch.setattr(moe_grouped, "down", lambda h, offs, down_w, cfg=None: (calls.append(cfg["down"]),
+                                                                                 real(h, offs, down_w, cfg))[1])
+    tiles = dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2)
+    with ops.use("triton"):
+        ref = ops.moe_experts_grouped(x, idx, w, gate_up, down)
+        assert calls == []
+        with moe_grouped.installed(dict(use=["down"], down=tiles)):
+            y = ops.moe_experts_grouped(x, idx, w, gate_up, down)
+        assert len(calls) == 1 and {k: calls[0][k] for k in tiles} == tiles
+        ops.moe_experts_grouped(x, idx, w, gate_up, down)
+    assert len(calls) == 1
+    assert torch.isfinite(y).all() and rel_err(y.float(), ref.float()) < 2e-2
+
+
+def test_the_candidate_refuses_what_it_cannot_run():
+    """An unknown key (nested too), a value of another kind, or a `use` naming none or another of its kernels is
+    refused before the block runs; fp32 inputs are `Unsupported` (bf16 kernels); its CONFIG is read-only."""
+    from benchmarks.candidates import Unsupported, moe_grouped
+    ran = []
+    for bad, why in ((dict(down=dict(BQ=1)), r"\['down'\]: unknown cfg keys \['BQ'\]"),
+                     (dict(tiles=1), r"unknown cfg keys \['tiles'\]"),
+                     (dict(n_fastest="yes"), "'n_fastest' must be true/false"),
+                     (dict(use=()), "'use' must name one or both of"),
+                     (dict(use=("gate_up", "up")), "'use' must name one or both of")):
+        with pytest.raises(mt.UnknownConfigKeys, match=why):
+            with moe_grouped.installed(bad):
+                ran.append(bad)
+    assert ran == []
+    assert moe_grouped.config(dict(use=["down"]))["use"] == ["down"]  # a list names kernels as a tuple does
+    x, idx, w, gate_up, down = _small_moe(dtype=torch.float32)
+    with ops.use("triton"), moe_grouped.installed():
+        with pytest.raises(Unsupported, match="bf16 tokens and expert stacks only, got x torch.float32"):
+            ops.moe_experts_grouped(x, idx, w, gate_up, down)
+    with pytest.raises(TypeError):
+        moe_grouped.CONFIG["use"] = ("down",)
+    with pytest.raises(TypeError):
+        moe_grouped.CONFIG["down"]["tma"] = True
+    assert moe_grouped.CONFIG["use"] == ("gate_up", "down") and moe_grouped.CONFIG["down"]["tma"] is False
+
+
+def _imports_of(src: str) -> set[str]:
+    """The modules a Python source imports, by their full names (`from a import b` as a and a.b)."""
+    import ast
+    out = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_the_model_imports_no_candidate():
+    """`model/` holds only what the default path runs: none of its sources imports `benchmarks` (where candidates
+    live), so a candidate reaches the model only through `ops.experts_kernel`. The check sees such an import."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1] / "model"
+    found = {str(p.relative_to(root)): sorted(m for m in _imports_of(p.read_text()) if m.split(".")[0] == "benchmarks")
+             for p in sorted(root.rglob("*.py"))}
+    assert len(found) >= 20 and {p: m for p, m in found.items() if m} == {}
+    assert not (root / "triton" / "moe_grouped.py").exists()
+    assert "benchmarks.candidates.moe_grouped" in _imports_of("def f():\n    from benchmarks.candidates import "
+                                                              "moe_grouped\n")
 
 
 def test_grouped_mm_per_group_form_equals_torchs():

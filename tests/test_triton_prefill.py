@@ -286,8 +286,8 @@ def moe_48b(N):
 @gpu
 @pytest.mark.parametrize("N", [17, 8192])
 def test_gpu_grouped_moe_real_shapes(N):
-    """The 48B's MoE in bf16: the grouped-GEMM path (with moe_grouped.CONFIG's kernels) against the expert loop,
-    both rounding once from the fp32 sum."""
+    """The 48B's MoE in bf16: the grouped-GEMM path (torch's grouped GEMMs) against the expert loop, both rounding
+    once from the fp32 sum."""
     x, idx, w, gate_up, down, shared = moe_48b(N)
     bf = torch.bfloat16
     y = ops.moe_experts(x, idx, w, gate_up, down, shared)
@@ -305,14 +305,15 @@ def test_gpu_grouped_moe_real_shapes(N):
 @pytest.mark.parametrize("use", [("down",), ("gate_up", "down")])
 @pytest.mark.parametrize("loads", [dict(), dict(tma=True), dict(tma=True, persistent=True)])
 def test_gpu_triton_grouped_kernels_match_torchs(N, use, loads):
-    """moe_grouped's kernels in place of torch's grouped GEMMs (CONFIG use) at the 48B's shapes, against the torch
+    """The candidate grouped kernels (benchmarks/candidates/moe_grouped.py) in place of torch's grouped GEMMs at the
+    48B's shapes, against the torch
     form: both accumulate each output tile in fp32 on the tensor cores over the same k blocks and round once (the
     benchmark's check reads a relative error of 0 at 8192 and 32768 tokens); tiles loaded per thread or by TMA,
     a program a tile or persistent."""
     x, idx, w, gate_up, down, shared = moe_48b(N)
-    with mt.overrides({"moe_grouped.CONFIG": dict(use=())}):
-        ref = ops.moe_experts(x, idx, w, gate_up, down, shared)
-    with mt.overrides({"moe_grouped.CONFIG": dict(use=use, gate_up=loads, down=loads)}):
+    from benchmarks.candidates import moe_grouped
+    ref = ops.moe_experts(x, idx, w, gate_up, down, shared)
+    with moe_grouped.installed(dict(use=list(use), gate_up=loads, down=loads)):
         y = ops.moe_experts(x, idx, w, gate_up, down, shared)
     assert torch.isfinite(y).all() and rel_err(y, ref) < 1e-3
 

@@ -1,6 +1,6 @@
-"""moe_prefill (not in the default --ops): the Triton grouped GEMMs of model/triton/moe_grouped.py, both together
-against the torch form at the model router's spread of rows, and in `results.sweep` each kernel's tile configs timed
-alone against the part of the torch form it replaces. All by do_bench."""
+"""moe_prefill (not in the default --ops): the candidate Triton grouped GEMMs of benchmarks/candidates/moe_grouped.py,
+both together against the torch form at the model router's spread of rows, and in `results.sweep` each kernel's tile
+configs timed alone against the part of the torch form it replaces. All by do_bench."""
 from __future__ import annotations
 
 import torch
@@ -68,12 +68,12 @@ def moe_prefill_inputs(T: int) -> tuple:
 def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
     """The prefill MoE's expert GEMMs for T tokens at the 48B's shapes (256 experts, top-8, D 2304, I 1024, bf16)
     at the rows per expert the model's first router gives (`first_router`), from the same sorted pairs: the fused
-    Triton form (`moe_grouped`: dispatch and SwiGLU fused in) against the torch form the model runs (dispatch copy,
-    torch's grouped GEMM, silu_mul, grouped GEMM). The sort and the combine, common to both, are left out. The
-    sweep times each kernel alone: gate_up (+ dispatch + silu_mul in the torch form) and down."""
+    Triton form (the candidate `moe_grouped`: dispatch and SwiGLU fused in) against the torch form the model runs
+    (dispatch copy, torch's grouped GEMM, silu_mul, grouped GEMM). The sort and the combine, common to both, are left
+    out. The sweep times each kernel alone: gate_up (+ dispatch + silu_mul in the torch form) and down."""
     from model import ops
     import model.triton as mt
-    from model.triton import moe_grouped as mg
+    from benchmarks.candidates import moe_grouped as mg
     x, gate_up, down, router, desc = moe_prefill_inputs(T)
     order, offs = ops.sort_by_expert(router(x)[0], E)
 
@@ -122,7 +122,7 @@ def moe_prefill_case(T: int, rep_ms: int) -> tuple[dict, list[str]]:
 
 
 BENCH = Bench(
-    op="moe_prefill", inputs=moe_prefill_inputs, ours="model.triton.moe_grouped:experts",
+    op="moe_prefill", inputs=moe_prefill_inputs, ours="benchmarks.candidates.moe_grouped:experts",
     peer=f"torch-{torch.__version__} grouped_mm", peer_fn=None,
     check="relative RMS error < MOE_PREFILL_TOL against the torch form's output, each sweep config's too; "
           "<= PEER_TOL when judged against the peer",

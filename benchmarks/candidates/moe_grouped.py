@@ -1,11 +1,15 @@
-"""Grouped expert GEMMs of the prefill MoE in Triton, with the dispatch and the SwiGLU fused in: an alternative
-to `model.ops.moe_experts_grouped`'s torch form (dispatch copy, torch's grouped GEMM, `silu_mul`, grouped GEMM),
-the twin of `model.ops.moe_experts_torch` up to fp32 summation order (`experts`). `CONFIG["use"]` names the kernels
-the model runs instead; none by default, as none made the whole prefill faster (docs/kernels.md#moe-grouped). Row
-tiles hold BM rows of one expert (`expert_tiles`); programs past the last tile return at once. Rounding follows the
-torch form: gate, up, silu, their product and the down output each rounded to the model dtype. bf16 only.
+"""Candidate: grouped expert GEMMs of the prefill MoE in Triton, with the dispatch and the SwiGLU fused in, in place
+of `model.ops.grouped_experts` (dispatch copy, torch's grouped GEMM, `silu_mul`, grouped GEMM), its twin up to fp32
+summation order. Not the model's default: no variant made the whole prefill faster (docs/kernels.md#moe-grouped).
+`installed` runs it inside the model through `model.ops.experts_kernel`; `CONFIG["use"]` names which of its two
+kernels replace the torch form's steps. Row tiles hold BM rows of one expert (`expert_tiles`); programs past the last
+tile return at once. Rounding follows the torch form: gate, up, silu, their product and the down output each rounded
+to the model dtype. bf16 only.
 """
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
 
 import torch
 import triton
@@ -13,14 +17,21 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import model.triton as mt
+from benchmarks.candidates import Unsupported
+from model import ops
 from model.triton.common import rounded, silu_f32
 
-# Launch config: the kernels the model uses ("gate_up", "down"), the program order (`_program_tile`), and per
-# kernel its tiles (BM may differ), warps, `tma` (tiles through the tensor-copy engine) and `persistent` (one
-# program an SM, looping over tiles).
-CONFIG = mt.LaunchConfig("moe_grouped.CONFIG", use=(), n_fastest=True,
-                         gate_up=dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3, tma=False, persistent=False),
-                         down=dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, tma=False, persistent=False))
+# Launch config, read-only: the kernels that replace the torch form's steps ("gate_up": dispatch, gate_up GEMM and
+# silu_mul; "down": the down GEMM), the program order (`_program_tile`), and per kernel its tiles (BM may differ),
+# warps, `tma` (tiles through the tensor-copy engine) and `persistent` (one program an SM, looping over tiles). An
+# arm's changes travel with the function it installs (`installed`), so nothing reads this from a scope.
+CONFIG = mt.frozen(dict(use=("gate_up", "down"), n_fastest=True,
+                        gate_up=dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3, tma=False, persistent=False),
+                        down=dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, tma=False, persistent=False)))
+KERNELS = ("gate_up", "down")  # what `use` may name
+# The functions that launch its kernels: `benchmarks.bench_ab` counts their calls, so an arm that none reached is
+# an error rather than a second timing of the defaults.
+ENTRY_POINTS = ("gate_up_silu", "down")
 
 
 @triton.jit
@@ -192,6 +203,16 @@ def _launch(kernel, n_all: int, k: dict, device: torch.device, *args, **meta) ->
                         num_warps=k["num_warps"], num_stages=k["num_stages"])
 
 
+def config(changes: Mapping | None = None) -> dict:
+    """CONFIG with `changes` (a nested config's keys one by one), checked as `model.triton.launch_config` checks a
+    kernel's cfg; `use` must name one or both of KERNELS, as an arm of neither would be the torch form."""
+    c = mt.launch_config("moe_grouped.CONFIG", CONFIG, changes)
+    if not c["use"] or set(c["use"]) - set(KERNELS):
+        raise mt.UnknownConfigKeys(f"moe_grouped.CONFIG: 'use' must name one or both of {list(KERNELS)}, "
+                                   f"got {list(c['use'])}")
+    return c
+
+
 def gate_up_silu(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, K: int,
                  cfg: dict | None = None) -> torch.Tensor:
     """h [M, I] = silu(W1[e] x_r) * W3[e] x_r for each sorted pair row r (token order[r] // K, expert e by offs)."""
@@ -230,9 +251,11 @@ def down(h: torch.Tensor, offs: torch.Tensor, down_w: torch.Tensor, cfg: dict | 
 
 
 def experts(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: torch.Tensor, down_w: torch.Tensor,
-            K: int, cfg: dict | None = None) -> torch.Tensor:
-    """out [M, D] = W2[e] (silu(W1[e] x_r) * W3[e] x_r) for each sorted pair row r, in the sorted order. `cfg`
-    overrides keys of CONFIG."""
+            K: int, cfg: Mapping | None = None) -> torch.Tensor:
+    """out [M, D] = W2[e] (silu(W1[e] x_r) * W3[e] x_r) for each sorted pair row r, in the sorted order: what
+    `model.ops.grouped_experts` computes, with CONFIG changed by `cfg` (`config`). A step that `use` leaves out runs
+    as in that torch form. bf16 only (`Unsupported` otherwise)."""
+    c = config(cfg)
     N, D = x.shape
     E, I2, D2 = gate_up.shape
     M, I = order.numel(), I2 // 2
@@ -240,7 +263,25 @@ def experts(x: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, gate_up: t
         raise ValueError(f"moe_grouped.experts: x {tuple(x.shape)}, order {tuple(order.shape)}, offs "
                          f"{tuple(offs.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down_w.shape)} do not "
                          f"fit K={K}")
-    return down(gate_up_silu(x, order, offs, gate_up, K, cfg), offs, down_w, cfg)
+    if not x.dtype == gate_up.dtype == down_w.dtype == torch.bfloat16:
+        raise Unsupported(f"moe_grouped.experts: bf16 tokens and expert stacks only, got x {x.dtype}, gate_up "
+                          f"{gate_up.dtype}, down {down_w.dtype} (the model's dtype bfloat16, experts held in bf16)")
+    if "gate_up" in c["use"]:
+        h = gate_up_silu(x, order, offs, gate_up, K, c)
+    else:
+        gu = ops.grouped_mm(ops.moe_dispatch(x, order, K), gate_up.transpose(1, 2), offs)
+        h = ops.silu_mul(gu[:, :I], gu[:, I:])
+    return down(h, offs, down_w, c) if "down" in c["use"] else ops.grouped_mm(h, down_w.transpose(1, 2), offs)
 
 
-mt.seal(__name__)
+@contextlib.contextmanager
+def installed(changes: Mapping | None = None):
+    """Inside the block, in this thread or task, the model's grouped experts (`model.ops.moe_experts_grouped`) run
+    `experts` with CONFIG changed by `changes`, checked before the block runs; after it, also when it raises, the
+    torch form."""
+    c = config(changes)
+
+    def run(x, order, offs, gate_up, down_w, K):
+        return experts(x, order, offs, gate_up, down_w, K, c)
+    with ops.experts_kernel(run):
+        yield
