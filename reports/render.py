@@ -69,6 +69,23 @@ class Table:
     source: str = ""
 
 
+class Prose(str):
+    """A paragraph the renderer writes itself (no record text in it): its `code spans` render as code, the rest as
+    any text does. Record text never becomes Prose, so a record cannot open a code span."""
+
+
+_CODE_SPAN = re.compile(r"`([^`\n]+)`")
+
+
+def _prose_parts(text: str) -> list[tuple[bool, str]]:
+    """(is code, text) pieces of a Prose paragraph, in order."""
+    parts, at = [], 0
+    for m in _CODE_SPAN.finditer(text):
+        parts += [(False, text[at:m.start()]), (True, m.group(1))]
+        at = m.end()
+    return parts + [(False, text[at:])]
+
+
 @dataclass
 class Section:
     title: str
@@ -207,9 +224,10 @@ def problems_section(problems: list[str]) -> Section:
 
 def targets_section(records: list[dict]) -> Section:
     s = Section("Targets")
-    s.blocks.append("The issues' targets, each judged on its latest reading in the records (`reports/targets.py` "
-                    "says which records measure each and how): a speed target only on the H200, at the 48B-A3B "
-                    "preset or the kernel shapes its issue names; the gates at their default precision.")
+    s.blocks.append(Prose("The issues' targets, each judged on its latest reading in the records "
+                          "(`reports/targets.py` says which records measure each and how): a speed target only on "
+                          "the H200, at the 48B-A3B preset or the kernel shapes its issue names; the gates at their "
+                          "default precision."))
     rows, cited = [], {}
     for st in targets.judge(records):
         latest = st.latest
@@ -808,8 +826,9 @@ def kernels_section(kernels: list[dict], out: Path) -> Section:
     sweeps = [r for r in kernels if KERNEL.params.sweep.get(r)]
     kernels = [r for r in kernels if not KERNEL.params.sweep.get(r)]
     if sweeps:
-        s.blocks.append(f"{len(sweeps)} launch-config sweep record(s) are not drawn (see `python -m benchmarks.kernels --moe-sweep`, "
-                        f"`--decode-sweep`, `--chunk-sweep` and `--conv-sweep`; the defaults cite them).")
+        s.blocks.append(Prose(f"{len(sweeps)} launch-config sweep record(s) are not drawn (see "
+                              f"`python -m benchmarks.kernels --moe-sweep`, `--decode-sweep`, `--chunk-sweep` and "
+                              f"`--conv-sweep`; the defaults cite them)."))
     if not kernels:
         s.blocks.append(NO_RECORDS)
         return s
@@ -963,6 +982,9 @@ def to_markdown(sections: list[Section], header: str) -> str:
                 lines += ["| " + " | ".join(map(m, b.header)) + " |", "|" + "---|" * len(b.header)]
                 lines += ["| " + " | ".join(map(m, row)) + " |" for row in b.rows]
                 lines += ([""] + [f"Source: {m(b.source)}"] if b.source else []) + [""]
+            elif isinstance(b, Prose):
+                lines += ["".join(f"`{t}`" if code else m(t, block=i == 0)
+                                  for i, (code, t) in enumerate(_prose_parts(b))), ""]
             else:
                 lines += [m(b, block=True), ""]
     return "\n".join(lines)
@@ -989,6 +1011,9 @@ def to_html(sections: list[Section], header: str) -> str:
                 parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in b.header) + "</tr>")
                 parts += ["<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in b.rows]
                 parts.append("</table>" + (f"<p class=src>Source: {e(b.source)}</p>" if b.source else ""))
+            elif isinstance(b, Prose):
+                parts.append("<p>" + "".join(f"<code>{e(t)}</code>" if code else e(t) for code, t in _prose_parts(b))
+                             + "</p>")
             else:
                 parts.append(f"<p>{e(b)}</p>")
         parts.append("</section>")

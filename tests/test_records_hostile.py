@@ -123,7 +123,7 @@ def check_load(root: Path) -> store.Loaded:
 
 
 ALLOWED_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "section", "p", "table", "tr", "th",
-                "td", "figure", "img", "figcaption", "b"}
+                "td", "figure", "img", "figcaption", "b", "code"}
 ALLOWED_ATTRIBUTES = {"charset", "class", "src", "alt"}
 TAG = re.compile(r"<\s*/?\s*([A-Za-z][^\s/>]*)([^>]*)>")
 ATTRIBUTE = re.compile(r"""([^\s=/'"]+)\s*(?:=\s*('[^']*'|"[^"]*"|[^\s'">]+))?""")

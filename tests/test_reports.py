@@ -550,3 +550,13 @@ def test_a_report_without_train_or_margins_records_says_so(tmp_path):
     for title in ("Reference checkpoint", "Greedy margins on the battery"):
         assert sections[title].blocks == [render.NO_RECORDS] and sections[title].failed is None
     assert {p.stem for p in (tmp_path / "out" / "figures").glob("*.png")} == {"memory"}
+
+
+def test_the_renderers_own_code_spans_render_as_code_and_record_text_never_does():
+    from reports.render import Prose, Section, to_html, to_markdown
+    s = Section("t", [Prose("see `python -m x --y` and `a|b`, 2 < 3"), "record `text` <b>"])
+    md, page = to_markdown([s], "h"), to_html([s], "h")
+    assert "see `python -m x --y` and `a|b`, 2 &lt; 3" in md
+    assert "record \\`text\\` &lt;b&gt;" in md                      # a plain string: escaped as before
+    assert "see <code>python -m x --y</code> and <code>a|b</code>, 2 &lt; 3" in page
+    assert "record `text` &lt;b&gt;" in page and "<code>text</code>" not in page
