@@ -66,6 +66,7 @@ def _patch_interpreter_lang_once():
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_lang_once()
 
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # Small, deterministic hypothesis runs: CI has 2 cores and the whole suite must stay under 10 minutes.
@@ -77,3 +78,13 @@ def rel_err(x, ref) -> float:
     """Relative RMS error ||ref - x|| / ||ref|| in fp64 (fla's metric)."""
     x, ref = x.double(), ref.double()
     return float((ref - x).norm() / ref.norm().clamp_min(1e-300))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`): tiny's ops
+    are too small to gain from threads, and ranks forked from the process inherit the setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -40,13 +40,7 @@ def fork(fn, world: int, *args, timeout_s: float = 300):
     return parallel.spawn(fn, world, args, start_method="fork", timeout_s=timeout_s)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """tiny's ops are too small to gain from threads; the forked ranks inherit the setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

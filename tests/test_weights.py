@@ -316,6 +316,11 @@ def test_weights_id_is_the_checkpoint_dtypes_fingerprint_and_refuses_what_they_c
         weights_id(sd32, TINY)
 
 
+# glibc raises its mmap threshold after a large block is freed, so later large blocks may come from the heap and stay
+# resident after their free: a peak that depends on the order of earlier frees. A fixed threshold keeps every large
+# tensor in its own mapping, returned when freed, so a child's peak measures what the code holds.
+FIXED_MMAP_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+
 # The child of the test below: an fp32 state of 16 dense layers (3 x 4M-element MLP weights each: 0.8 GB) whose
 # weights_id is taken; it prints the growth of the process's peak resident memory over the state's, and the bf16
 # casts' bytes.
@@ -340,7 +345,7 @@ def test_weights_id_holds_one_cast_at_a_time():
     slices its check and the fingerprint's sums make (73 MB when written), not by every cast (409 MB here; 3.7 GiB of
     GPU memory for the 48B model in fp32, `model.weights._AsStored`; casting them all first grew it by 0.85 GB).
     Measured in a child process by its peak resident memory, which only grows."""
-    grew, casts = map(int, _child(_CAST_PEAK_CODE).split())
+    grew, casts = map(int, _child(_CAST_PEAK_CODE, FIXED_MMAP_ENV).split())
     assert casts > 400e6
     assert grew < casts / 3, f"peak grew by {grew / 1e6:.0f} MB while taking the id; all casts: {casts / 1e6:.0f} MB"
 
@@ -362,7 +367,7 @@ def test_an_fp32_weight_is_drawn_in_place():
     fp64 working set (224 MB when written), not by a whole-tensor fp32 scratch and its bf16 copy besides (829 to 946 MB
     with the old code, the negative control). On the GPU, where the draw needs no fp64 working set, that scratch
     and copy were the load's whole transient (`model.weights._fill`)."""
-    grew, held = map(int, _child(_FILL_PEAK_CODE).split())
+    grew, held = map(int, _child(_FILL_PEAK_CODE, FIXED_MMAP_ENV).split())
     assert grew < held, f"peak grew by {grew / 1e6:.0f} MB drawing a {held / 1e6:.0f} MB weight"
 
 

@@ -31,13 +31,7 @@ TINY, BIG = PRESETS["tiny"], PRESETS["48b-a3b"]
 E = TINY.num_experts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """tiny's ops are too small to gain from threads; the forked ranks inherit the setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture
