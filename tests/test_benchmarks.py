@@ -310,6 +310,7 @@ def test_decompose_prefill_quick(records_dir, tmp_path):
     assert q["kernels_per_step"] > 27
 
 
+@pytest.mark.slow  # the whole tiny model through Triton's interpreter (a minute or more)
 def test_decompose_traces_under_a_variant_and_records_it(records_dir, tmp_path, monkeypatch, capsys):
     """`--variant` holds the config changed while the model runs (and only then), and the record names it; a key
     the module lacks is refused before anything runs. The kernels run through Triton's interpreter, so the prefill
@@ -364,6 +365,7 @@ def test_decompose_under_a_variant_no_call_reaches_is_invalid(records_dir, tmp_p
     assert any("reached no call of benchmarks.candidates.moe_grouped" in x for x in r["reasons"]), r["reasons"]
 
 
+@pytest.mark.slow  # the whole tiny model through Triton's interpreter (a minute or more)
 def test_decompose_holds_the_variant_for_every_mode(records_dir, tmp_path, monkeypatch):
     """With two modes (eager, then graph) each runs under the variant: a context that could run only once would
     leave the second mode's trace unmade (INVALID) or made without the variant."""
@@ -530,6 +532,7 @@ def test_ab_candidate_arm_counts_only_the_calls_that_reach_its_kernels():
         assert bench_ab.calls_during(CANDIDATE, changes, lambda: run(0)) == 0
 
 
+@pytest.mark.slow  # the whole tiny model through Triton's interpreter (a minute or more)
 def test_ab_quick_end_to_end(records_dir, monkeypatch):
     """On the tiny preset on the CPU, the kernels through Triton's interpreter: a record per variant and length,
     both arms timed in every round, the logits compared (fp32 inputs take the chunk kernel's `exact` config, which
