@@ -118,7 +118,7 @@ def changed_config(module: str, changes: dict) -> tuple[Mapping, dict]:
     cfg = getattr(mod, "CONFIG", None)
     if is_candidate(module):
         return cfg, mod.config(_tuples(changes))
-    if not isinstance(cfg, (dict, mt.LaunchConfig)):
+    if not isinstance(cfg, mt.LaunchConfig) and not (isinstance(cfg, Mapping) and hasattr(mod, "configured")):
         raise KeyError(f"{name} has no CONFIG dict to vary")
     return cfg, mt.launch_config(f"{name}.CONFIG", cfg, _tuples(changes))
 
@@ -236,8 +236,8 @@ def calls_during(module: str, changes: dict, run) -> int | None:
 @contextlib.contextmanager
 def applied(module: str, changes: dict):
     """`<module>.CONFIG` reading with `changes` inside the block (`changed_config`), as before it after: a kernel
-    module's through `model.triton.overrides` (nothing written), a dotted module's plain dict (`benchmarks.timing`)
-    changed and restored. For a code arm ({"@": rev}), the module as it was at rev (`swapped`); for a candidate, the
+    module's through `model.triton.overrides`, a dotted module's through its own `configured` (`benchmarks.timing`):
+    nothing is written. For a code arm ({"@": rev}), the module as it was at rev (`swapped`); for a candidate, the
     candidate installed in the model with its CONFIG so changed (its `installed`)."""
     if is_code(changes):
         with swapped(module, changes[CODE]):
@@ -252,13 +252,8 @@ def applied(module: str, changes: dict):
         with mt.overrides({cfg.key: _tuples(changes)}):
             yield
         return
-    saved = dict(cfg)
-    cfg.update(new)
-    try:
+    with importlib.import_module(config_module(module)).configured(new):
         yield
-    finally:
-        cfg.clear()
-        cfg.update(saved)
 
 
 def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict:

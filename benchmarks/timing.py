@@ -9,7 +9,11 @@ power cap with the SM clock well under its maximum, and a timing should say so.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -77,8 +81,39 @@ def summarize(samples_ms: list[float]) -> dict:
 HOST_PACED = 0.95  # `Samples.host_paced`: host time / GPU time at or above which a call counts as host-paced
 CLOCK_INTERVAL_S = 0.01  # NVML sampling period while calls are timed
 # Where the clocks are sampled (`benchmarks.gpu_clocks.WHERE`): in a child process, so that the timed process spends
-# none of its time on it; `benchmarks.bench_ab` can time "thread" and "off" against it (a variant of this CONFIG).
-CONFIG = dict(clocks="process")
+# none of its time on it; `benchmarks.bench_ab` can time "thread" and "off" against it (a variant of this CONFIG,
+# changed for a block by `configured`; read-only otherwise).
+_DEFAULTS = types.MappingProxyType(dict(clocks="process"))
+_scoped: contextvars.ContextVar[Mapping] = contextvars.ContextVar("timing_config", default=_DEFAULTS)
+
+
+class _Config(Mapping):
+    """The timing config as it reads in this thread or task: the defaults, or as an enclosing `configured` set it."""
+
+    def __getitem__(self, k):
+        return _scoped.get()[k]
+
+    def __iter__(self):
+        return iter(_scoped.get())
+
+    def __len__(self) -> int:
+        return len(_scoped.get())
+
+
+CONFIG = _Config()
+
+
+@contextlib.contextmanager
+def configured(changes: Mapping):
+    """CONFIG with `changes` (keys it has) inside the block, in this thread or task; as before after it."""
+    unknown = sorted(set(changes) - set(_DEFAULTS))
+    if unknown:
+        raise KeyError(f"benchmarks.timing.CONFIG: unknown keys {unknown}; its keys: {sorted(_DEFAULTS)}")
+    token = _scoped.set(types.MappingProxyType({**_scoped.get(), **changes}))
+    try:
+        yield
+    finally:
+        _scoped.reset(token)
 
 
 def clock_sampler(device) -> ClockSampler:

@@ -648,6 +648,11 @@ def test_ab_varies_the_clock_sampler_through_the_timing_config():
     with bench_ab.applied("benchmarks.timing", {"clocks": "off"}):
         assert timing.clock_sampler("cpu").where == "off"
     assert timing.CONFIG["clocks"] == "process" and timing.clock_sampler("cpu").where == "process"
+    with pytest.raises(TypeError):
+        timing.CONFIG["clocks"] = "off"  # read-only: a change is scoped to a block
+    with pytest.raises(KeyError, match="unknown keys"):
+        with timing.configured({"sampler": "off"}):
+            pass
     with pytest.raises(KeyError, match="no CONFIG"):
         bench_ab.changed_config("benchmarks.roofline", {"x": 1})
     with pytest.raises(KeyError):
