@@ -295,6 +295,14 @@ def nightly_section(nights: list[dict]) -> Section:
 
 
 REASON_CHARS = 240  # a reason longer than this is cut in the table (the record keeps it whole)
+# An absolute path in a record's text (a run's scratch folder on the machine that wrote it): not a URL's path, which
+# follows the host name.
+_ABS_PATH = re.compile(r"(?<![\w.:/~-])/(?:[\w.+-]+/)+([\w.+-]+)")
+
+
+def no_machine_path(text: str) -> str:
+    """`text` with each absolute path shown by its last part (`…/name`): the report names no machine's folders."""
+    return _ABS_PATH.sub(r"…/\1", text)
 
 
 def invalid_section(records: list[dict]) -> Section:
@@ -307,7 +315,7 @@ def invalid_section(records: list[dict]) -> Section:
                     "characters are cut here (the record holds them whole).")
 
     def reasons(r):
-        text = "; ".join(r["reasons"])
+        text = no_machine_path("; ".join(r["reasons"]))
         return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
     s.blocks.append(Table(["record", "kind", "time", "machine", "commit", "reasons"],
                           [[short_id(r), r["kind"], r["time"], machine(r), commit(r), reasons(r)]

@@ -560,3 +560,10 @@ def test_the_renderers_own_code_spans_render_as_code_and_record_text_never_does(
     assert "record \\`text\\` &lt;b&gt;" in md                      # a plain string: escaped as before
     assert "see <code>python -m x --y</code> and <code>a|b</code>, 2 &lt; 3" in page
     assert "record `text` &lt;b&gt;" in page and "<code>text</code>" not in page
+
+
+def test_the_report_shows_no_machine_path_of_a_record():
+    from reports.render import no_machine_path
+    assert no_machine_path("--golden /root/out/x-bf16.json: no such file") == "--golden …/x-bf16.json: no such file"
+    url = "see https://docs.nvidia.com/cuda/cuda-runtime-api/group.html and reports/traces/a.json"
+    assert no_machine_path(url) == url          # a URL's path and a relative path stay
