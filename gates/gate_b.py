@@ -11,6 +11,7 @@ import time
 
 from model import ops
 from model.generate import generate_incremental
+from records import store
 
 from .compare import GateResult, compare_prompt, near_tie_eps
 from .golden import GoldenError, check_golden, expected_generations, find_golden, ids_md5, load_golden
@@ -50,14 +51,14 @@ def run_gate_b(opts: Options, *, subject: Subject | None = None, reader=None, re
         return refused("gate_b", opts, f"the md5 ({'equal' if passed else 'different'}) and the token comparison "
                        f"({result.score}/{result.total}) disagree", subject.weights, records_root=records_root, log=log)
     log(f"Gate B on {opts.label} ({subject.source}, weights {subject.weights}) {opts.precision} {opts.device}, "
-        f"kernels {opts.kernels}, golden {path}, near-tie eps {eps:g} nats")
+        f"kernels {opts.kernels}, golden {store.shown_path(path)}, near-tie eps {eps:g} nats")
     log(result.table())
     results = {
         **result.results(), "passed": passed, "md5": md5, "golden_md5": g["md5"], "near_tie_eps": eps,
         "timings": {"load_s": subject.load_s, "generate_s": t_gen, "total_s": time.perf_counter() - t0},
         **guard.results(),
     }
-    params = {"golden_path": str(path), "golden_source": g["source"], "golden_dtype": g["dtype"],
+    params = {"golden_path": str(store.shown_path(path)), "golden_source": g["source"], "golden_dtype": g["dtype"],
               "golden_device": g["device"], "golden_implementation": g["provenance"]["implementation"],
               "prompt_ids_source": b.source, "weights_source": subject.source}
     rec_path = record("gate_b", opts, subject.weights, params, results, records_root=records_root)

@@ -433,7 +433,10 @@ def _read_locked(path: Path) -> bytes:
         return f.read()
 
 
-def _shown(path: Path) -> Path:
+def shown_path(path: str | Path) -> Path:
+    """`path` relative to the checkout where it lies inside it (what records and messages show: no machine's
+    folders), else as given."""
+    path = Path(path)
     try:
         return path.resolve().relative_to(REPO_ROOT)
     except (ValueError, OSError, RuntimeError):  # outside the checkout; a link loop
@@ -453,11 +456,11 @@ def get(record: dict, dotted: str, default=None):
 def _lines(path: Path) -> tuple[list[bytes], str | None]:
     """The lines of one records file, or a problem saying why it cannot be read (a folder, a pipe, no permission)."""
     if not path.is_file():
-        return [], f"{_shown(path)}: not a regular file; skipped"
+        return [], f"{shown_path(path)}: not a regular file; skipped"
     try:
         return _read_locked(path).split(b"\n"), None
     except OSError as e:
-        return [], f"{_shown(path)}: cannot be read ({e.strerror or e}); skipped"
+        return [], f"{shown_path(path)}: cannot be read ({e.strerror or e}); skipped"
 
 
 def load(kinds=None, root: str | Path | None = None) -> Loaded:
@@ -480,7 +483,7 @@ def load(kinds=None, root: str | Path | None = None) -> Loaded:
         for n, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue
-            where = f"{_shown(path)}:{n}"
+            where = f"{shown_path(path)}:{n}"
             try:
                 rec = json.loads(raw)
             except RecursionError:
