@@ -10,7 +10,7 @@ A checkpoint may carry its own battery, suited to what it was trained on: `promp
 checkpoint file is (size-capped, strict JSON, no link out of the folder) and checked before use.
 
 Text becomes ids one of two ways:
-- a checkpoint directory with a `tiktoken.model`: Kimi's tokenizer (`gates.tokenizer`), BOS first; a
+- a checkpoint directory with a `tiktoken.model`: Kimi's tokenizer (`model.tokenizer`), BOS first; a
   `tiktoken.model` in any form (a dangling link, a link out of the directory, a folder, a fifo) counts, so one
   that is no usable file is refused by name rather than passed over;
 - otherwise (synthetic presets, or a checkpoint written without a tokenizer): `synthetic_ids`, a fixed
@@ -23,9 +23,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from model.checkpoint import PROMPTS_FILE
 from model.config import KimiConfig, parse_json, read_file
 
-from .tokenizer import TOKENIZER_FILE, KimiTokenizer
+from model.tokenizer import TOKENIZER_FILE, KimiTokenizer
 
 PROMPTS: tuple[str, ...] = (
     # code
@@ -61,7 +62,6 @@ PYTHON_PROMPTS: tuple[str, ...] = (
 )
 
 DEFAULT_NEW_TOKENS = 16
-PROMPTS_FILE = "prompts.json"
 MAX_PROMPTS_BYTES = 1 << 16
 MAX_BATTERY, MAX_PROMPT_CHARS = 64, 4096
 

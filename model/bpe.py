@@ -1,6 +1,6 @@
 """A byte-level BPE tokenizer trained with HF `tokenizers`, written as a Kimi `tiktoken.model`.
 
-Kimi's tokenizer is tiktoken over BPE ranks with the pre-tokenizer pattern `gates.tokenizer.KIMI_PAT_STR`. The
+Kimi's tokenizer is tiktoken over BPE ranks with the pre-tokenizer pattern `model.tokenizer.KIMI_PAT_STR`. The
 trainer here splits text with that same pattern (HF's Oniguruma engine takes its `&&` class intersections as
 tiktoken's does), then maps each piece's bytes to HF's byte-level alphabet and learns merges. Each merge adds one
 token, in order, after the 256 single bytes; a token's tiktoken rank is its HF id. tiktoken merges the adjacent
@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from gates.tokenizer import KIMI_PAT_STR
+from model.tokenizer import KIMI_PAT_STR
 
 N_SPECIAL = 256  # reserved special tokens after the base vocabulary, as in Kimi's tokenizer
 BOS_OFFSET, EOS_OFFSET = 0, 2  # [BOS] and the end-of-turn token's places among them (163584 and 163586 at 48B)

@@ -39,6 +39,7 @@ class CheckpointError(ValueError):
 FP32_KEPT = ("A_log", "dt_bias", "e_score_correction_bias")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+PROMPTS_FILE = "prompts.json"  # optional: the battery a checkpoint carries for the gates (gates.prompts)
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # HF's default shard size; the original has 20 shards of ~4.6 GiB
 # The 48B model's index names 20,493 tensors in ~2 MB; an index past this is no checkpoint's (even the
 # config.MAX_TENSORS = 2^18 tensors' names and shard names fit in ~30 MB).

@@ -63,7 +63,7 @@ def prompt_ids(prompt) -> list[int]:
             raise ValueError(f"a prompt is one sequence of token ids (1-D), got shape {tuple(prompt.shape)}")
         return prompt.tolist()
     if isinstance(prompt, (str, bytes)):
-        raise TypeError("a prompt is token ids, got text: tokenise it first (gates/tokenizer.py)")
+        raise TypeError("a prompt is token ids, got text: tokenise it first (model/tokenizer.py)")
     ids = list(prompt)
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):

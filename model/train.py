@@ -13,7 +13,7 @@ other files. The corpus is named by a sha256 over every file's split, relative p
 version that supplied it.
 
 Tokenizer: a byte-level BPE trained by HF `tokenizers` on the train files (`model.bpe`), written as
-`tiktoken.model` and read back through `gates.tokenizer.KimiTokenizer`, which then tokenises the corpus: the
+`tiktoken.model` and read back through `model.tokenizer.KimiTokenizer`, which then tokenises the corpus: the
 model is trained on exactly the ids the gates give a prompt. Each file is one document, BOS first.
 
 Model (`ModelSize`): every block kind of the 48B model at a small size. KDA layers and MLA layers in the
@@ -61,14 +61,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gates.prompts import PROMPTS_FILE
-from gates.tokenizer import TOKENIZER_FILE, KimiTokenizer
+from model.tokenizer import TOKENIZER_FILE, KimiTokenizer
 from records import store
 from records.exits import run_main
 
 from . import bpe, ops
 from .build import from_state_dict, load_model
-from .checkpoint import check_checkpoint, internal_names, original_names, save_checkpoint, storage_dtype
+from .checkpoint import PROMPTS_FILE, check_checkpoint, internal_names, original_names, save_checkpoint, storage_dtype
 from .config import KimiConfig, parse_json, read_file
 from .layers import KimiDeltaAttention, MultiLatentAttention, Router
 from .model import KimiLinear

@@ -22,11 +22,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import gates.tokenizer as tokenizer_module
+import model.tokenizer as tokenizer_module
 import model.config as config_module
 from gates.memory import param_counts
 from gates.prompts import PROMPTS, battery
-from gates.tokenizer import MAX_TOKENIZER_BYTES, TOKENIZER_FILE, KimiTokenizer, TokenizerError
+from model.tokenizer import MAX_TOKENIZER_BYTES, TOKENIZER_FILE, KimiTokenizer, TokenizerError
 from model.checkpoint import (INDEX_FILE, MAX_INDEX_BYTES, CheckpointError, check_checkpoint, original_names,
                               save_checkpoint)
 from model.config import (MAX_CONFIG_BYTES, MAX_PARAMS, MAX_TENSORS, PRESETS, ConfigError, KimiConfig,

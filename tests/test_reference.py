@@ -11,7 +11,7 @@ from gates.golden import validate_golden
 from gates.plant import planted
 from gates.prompts import PYTHON_PROMPTS, battery, read_prompts
 from gates.run import EXIT_FAIL, load_subject, resolve
-from gates.tokenizer import KimiTokenizer
+from model.tokenizer import KimiTokenizer
 from model.checkpoint import check_checkpoint
 from records.store import load
 

@@ -6,6 +6,7 @@ import ast
 import functools
 import io
 import re
+import sys
 import tokenize
 from pathlib import Path
 
@@ -124,3 +125,45 @@ def test_every_record_the_kernel_notes_cite_exists():
     text = (ROOT / "docs" / "kernels.md").read_text()
     assert len(cited(text, 8)) >= 100
     assert missing(text, loaded.records) == [], "docs/kernels.md cites records or runs that records/ does not hold"
+
+
+# The packages in dependency order: each may import only those before it. `records` (provenance) stands alone; the
+# model knows nothing of the gates, benchmarks or reports built on it.
+LAYERS = {"records": set(), "model": {"records"}, "gates": {"model", "records"},
+          "benchmarks": {"model", "records", "gates"}, "reports": {"model", "records", "gates", "benchmarks"}}
+
+
+def suite_imports(src: str) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import of one of the suite's packages in `src`."""
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+        out += [(node.lineno, n) for n in names if n.split(".")[0] in LAYERS]
+    return out
+
+
+def layering_offenses(files=None) -> dict[str, list]:
+    found = {}
+    for p in files or sources():
+        pkg = p.relative_to(ROOT).parts[0]
+        bad = [(line, m) for line, m in suite_imports(p.read_text())
+               if (m.split(".")[0] != pkg and m.split(".")[0] not in LAYERS[pkg]) or m.endswith("__main__")]
+        if bad:
+            found[str(p.relative_to(ROOT))] = bad
+    return found
+
+
+def test_packages_import_only_the_layers_below_them():
+    assert layering_offenses() == {}
+
+
+def test_the_layering_check_catches_an_upward_import(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "model").mkdir()
+    bad = tmp_path / "model" / "x.py"
+    bad.write_text("import torch\nfrom gates.prompts import battery\n")
+    main = tmp_path / "model" / "y.py"
+    main.write_text("from model.__main__ import main\n")
+    assert layering_offenses([bad, main]) == {"model/x.py": [(2, "gates.prompts")],
+                                              "model/y.py": [(1, "model.__main__")]}

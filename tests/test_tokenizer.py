@@ -1,4 +1,4 @@
-"""gates/tokenizer.py and gates/prompts.py: Kimi's pre-tokenizer through tiktoken, the synthetic id mapping.
+"""model/tokenizer.py and gates/prompts.py: Kimi's pre-tokenizer through tiktoken, the synthetic id mapping.
 
 The real Kimi `tiktoken.model` is not available offline, so the tests write a small BPE file (base64 token,
 space, rank per line): the 256 single bytes plus merges chosen so that each one would only apply if the
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gates.prompts import MULTIPLIER, PROMPTS, SALT, battery, n_ordinary, synthetic_ids
-from gates.tokenizer import TOKENIZER_FILE, KimiTokenizer, TokenizerError
+from model.tokenizer import TOKENIZER_FILE, KimiTokenizer, TokenizerError
 from model.config import PRESETS
 
 TINY = PRESETS["tiny"]

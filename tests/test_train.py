@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gates.prompts import PROMPTS, battery
-from gates.tokenizer import KimiTokenizer, TokenizerError
+from model.tokenizer import KimiTokenizer, TokenizerError
 from model import bpe, train
 from model.build import load_model
 from model.checkpoint import check_checkpoint, internal_names
@@ -129,7 +129,7 @@ def test_ranks_in_another_order_segment_differently(hf_tok, toy_corpus):
     """Negative control: the same vocabulary with ranks by byte order (not merge order) is another tokenizer."""
     import tiktoken
 
-    from gates.tokenizer import KIMI_PAT_STR
+    from model.tokenizer import KIMI_PAT_STR
     ranks = bpe.ranks_of(hf_tok)
     shuffled = {t: r for r, t in enumerate(sorted(ranks, key=lambda t: (len(t) > 1, t)))}
     text = "".join(d.text for d in toy_corpus.heldout)
