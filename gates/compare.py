@@ -15,33 +15,48 @@ whether the mismatch is rounding deciding between two almost equal logits or a w
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
 NEAR_TIE_TOP = 5
 
-# Near-tie epsilon in nats, by the dtype the model under test computes in. Two correct paths differ by
-# summation order (chunked vs recurrent KDA, fused vs split attention) and, in bf16, by where activations
-# are rounded; epsilon must cover that noise and nothing more.
-# - bf16: the logits leave lm_head as bf16, whose spacing is 2^-4 = 0.0625 for |logit| in [8, 16), where
-#   top logits of a trained model sit, so two top logits differ by a whole number of spacings. Two paths that
-#   round one true value differently land on neighbouring values: one side's tie (margin 0) is the other's
-#   margin of one spacing (seen on tiny in bf16; docs/RESULTS.md). Epsilon is two spacings, 2^-3: margins of
-#   0 and 1 spacing are near-ties, 2 and up are not. (At one spacing and strict `<`, only exact ties were.)
-# - fp16: 10 mantissa bits, spacing 2^-7 in the same range: two spacings, 2^-6.
-# - fp32: the paths' logits differ by <1e-5 on tiny (measured, tests/test_gates.py) and grow with depth and
-#   width; 1e-4 leaves two orders of magnitude for the 27-layer model, still far below a real bug's effect.
-# - fp64: as fp32. Our model returns fp32 logits and keeps the KDA state math in fp32 whatever its dtype
-#   (measured: its fp64 log-probabilities differ from HF's fp64 ones by ~1e-5 on tiny), and the fp64 golden
-#   is only ever held against runs of ours.
+# Near-tie epsilon in nats, by the dtype the model under test computes in: it must cover the noise between two correct
+# paths (summation order, where activations are rounded) and nothing more.
+# - bf16, fp16: logits leave lm_head rounded to the dtype, so two top logits differ by a whole number of spacings, and
+#   two paths that round one true value differently land a spacing apart: one side's tie is the other's margin of one
+#   spacing. Epsilon is two spacings at the top logit's magnitude (0 and 1 spacing are near-ties, 2 and up are not),
+#   and never less than two spacings in [8, 16), where a trained model's top logits sit when nothing else is known.
+# - fp32, fp64: the paths' logits differ by <1e-5 on tiny and more with depth and width; 1e-4 leaves two orders of
+#   magnitude for the 27-layer model, still far below a real bug's effect. Our model keeps the KDA state in fp32
+#   whatever its dtype, and the fp64 golden is only ever held against runs of ours.
+# docs/GATE_A.md#near-ties has the measurements behind these.
 NEAR_TIE_EPS = {torch.bfloat16: 2.0 ** -3, torch.float16: 2.0 ** -6, torch.float32: 1e-4, torch.float64: 1e-4}
+SPACINGS = 2
 
 
-def near_tie_eps(dtype: torch.dtype) -> float:
+def spacing(dtype: torch.dtype, x: float) -> float:
+    """The gap between consecutive values of `dtype` at magnitude |x| (normal range)."""
+    info = torch.finfo(dtype)
+    return info.eps * 2.0 ** math.floor(math.log2(max(abs(x), info.tiny)))
+
+
+def eps_note(*dtypes: torch.dtype) -> str:
+    """How the epsilon grows with the top logit, for a header line ("" where no dtype of `dtypes` rounds logits)."""
+    half = [str(d).removeprefix("torch.") for d in dtypes if NEAR_TIE_EPS.get(d, 0) > NEAR_TIE_EPS[torch.float32]]
+    return f" (or {SPACINGS} {'/'.join(sorted(set(half)))} spacings of the top logit, where more)" if half else ""
+
+
+def near_tie_eps(dtype: torch.dtype, top_logit: float | None = None) -> float:
+    """Epsilon for `dtype`; with the top logit's value known, at least SPACINGS of the dtype's spacing there."""
     if dtype not in NEAR_TIE_EPS:
         raise ValueError(f"no near-tie epsilon for dtype {dtype}; known: {', '.join(map(str, NEAR_TIE_EPS))}")
-    return NEAR_TIE_EPS[dtype]
+    base = NEAR_TIE_EPS[dtype]
+    if top_logit is None or not math.isfinite(top_logit):
+        return base
+    return max(base, SPACINGS * spacing(dtype, top_logit))
 
 
 @dataclass(frozen=True)
@@ -238,8 +253,11 @@ class PromptResult:
         return "match" if self.divergence is None else self.divergence.verdict
 
 
-def compare_prompt(prompt: int, ref, test, eps: float, ref_name: str, test_name: str) -> PromptResult:
-    """`ref`/`test`: generations (`.tokens`, `.topk_ids`, `.topk_logprobs`; `.logits` rows if kept)."""
+def compare_prompt(prompt: int, ref, test, eps: float | Callable[[float | None], float], ref_name: str,
+                   test_name: str) -> PromptResult:
+    """`ref`/`test`: generations (`.tokens`, `.topk_ids`, `.topk_logprobs`; `.top_logits` and `.logits` rows if
+    kept). `eps`: the near-tie epsilon, or a function of the divergent step's top logit (the larger in magnitude of
+    the sides that kept it; None when neither did) that gives it."""
     n = len(ref.tokens)
     if len(test.tokens) != n:
         raise ValueError(f"prompt {prompt}: {ref_name} has {n} tokens, {test_name} {len(test.tokens)}")
@@ -248,7 +266,9 @@ def compare_prompt(prompt: int, ref, test, eps: float, ref_name: str, test_name:
     div = None
     if first is not None:
         side = lambda name, g: Side(name, g.tokens[first], list(g.topk_ids[first]), list(g.topk_logprobs[first]))
-        div = diagnose(prompt, first, side(ref_name, ref), side(test_name, test), eps)
+        tops = [g.top_logits[first] for g in (ref, test) if len(getattr(g, "top_logits", ())) > first]
+        at = eps(max(tops, key=abs) if tops else None) if callable(eps) else eps
+        div = diagnose(prompt, first, side(ref_name, ref), side(test_name, test), at)
     diffs = []
     if getattr(ref, "logits", None) and getattr(test, "logits", None):
         last = n - 1 if first is None else first

@@ -28,7 +28,7 @@ import torch
 from model import ops
 from model.generate import generate_incremental, generate_recompute
 
-from .compare import GateResult, compare_prompt, logit_bound, near_tie_eps, noise_check
+from .compare import GateResult, compare_prompt, eps_note, logit_bound, near_tie_eps, noise_check
 from .memory import MemoryFloorError
 from .run import (DEFAULT_TOPK, EXIT_FAIL, EXIT_PASS, GateRefused, Options, Subject, battery_for, context_len,
                   floor_guard, load_subject, record, refused)
@@ -65,6 +65,7 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
     """
     b = battery_for(opts)
     eps = near_tie_eps(opts.torch_dtype)
+    eps_at = lambda top: near_tie_eps(opts.torch_dtype, top)
     t0 = time.perf_counter()
     try:
         with floor_guard(opts, context_len(b, opts.new_tokens), reader, log) as guard, ops.use(opts.kernels):
@@ -86,14 +87,14 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
                 ref_logits.append(rec.logits)
                 ctrl_logits.append(logit_control(subject.model, ids, rec.tokens))
                 t_floor += time.perf_counter() - t
-                p = compare_prompt(i, rec, inc, eps, "recompute", "incremental")
+                p = compare_prompt(i, rec, inc, eps_at, "recompute", "incremental")
                 if p.divergence is not None and ctrl is not None:
                     t = time.perf_counter()
                     with ops.use(ctrl):
                         alt = generate_recompute(subject.model, ids, opts.new_tokens, DEFAULT_TOPK,
                                                  keep_logits=True, step_hook=hook)
                     name = f"recompute[{ctrl} kernels]"
-                    p.noise = noise_check(p, compare_prompt(i, rec, alt, eps, "recompute", name), name)
+                    p.noise = noise_check(p, compare_prompt(i, rec, alt, eps_at, "recompute", name), name)
                     t_ctrl += time.perf_counter() - t
                 prompts.append(p)
     except (GateRefused, MemoryFloorError) as e:
@@ -104,7 +105,7 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
                         enforced=opts.torch_dtype in EXACT_DTYPES)
     result = GateResult("Gate A", "recompute", "incremental", prompts, bound)
     log(f"Gate A on {opts.label} ({subject.source}, weights {subject.weights}) {opts.precision} {opts.device}, "
-        f"kernels {opts.kernels}, prompts {b.source}, near-tie eps {eps:g} nats")
+        f"kernels {opts.kernels}, prompts {b.source}, near-tie eps {eps:g} nats{eps_note(opts.torch_dtype)}")
     log(result.table())
     diffs = [d for p in prompts for d in p.max_abs_logit_diff]
     results = {

@@ -13,7 +13,7 @@ from model import ops
 from model.generate import generate_incremental
 from records import store
 
-from .compare import GateResult, compare_prompt, near_tie_eps
+from .compare import GateResult, compare_prompt, eps_note, near_tie_eps
 from .golden import GoldenError, check_golden, expected_generations, find_golden, ids_md5, load_golden
 from .memory import MemoryFloorError
 from .run import (DEFAULT_TOPK, DTYPES, EXIT_FAIL, EXIT_PASS, GateRefused, Options, Subject, battery_for,
@@ -41,8 +41,9 @@ def run_gate_b(opts: Options, *, subject: Subject | None = None, reader=None, re
 
     # the less precise side sets how close two logits must be to count as a tie
     eps = max(near_tie_eps(opts.torch_dtype), near_tie_eps(DTYPES[g["dtype"]]))
+    eps_at = lambda top: max(near_tie_eps(opts.torch_dtype, top), near_tie_eps(DTYPES[g["dtype"]], top))
     ref_name = f"golden[{g['provenance']['implementation']} {g['dtype']} {g['device']}]"
-    prompts = [compare_prompt(i, ref, ours, eps, ref_name, "incremental")
+    prompts = [compare_prompt(i, ref, ours, eps_at, ref_name, "incremental")
                for i, (ref, ours) in enumerate(zip(expected_generations(g), gens))]
     result = GateResult("Gate B", ref_name, "incremental", prompts)
     md5 = ids_md5([x.tokens for x in gens])
@@ -50,8 +51,9 @@ def run_gate_b(opts: Options, *, subject: Subject | None = None, reader=None, re
     if passed != result.passed:     # validate_golden makes this impossible; a verdict must never contradict itself
         return refused("gate_b", opts, f"the md5 ({'equal' if passed else 'different'}) and the token comparison "
                        f"({result.score}/{result.total}) disagree", subject.weights, records_root=records_root, log=log)
+    note = eps_note(opts.torch_dtype, DTYPES[g["dtype"]])
     log(f"Gate B on {opts.label} ({subject.source}, weights {subject.weights}) {opts.precision} {opts.device}, "
-        f"kernels {opts.kernels}, golden {store.shown_path(path)}, near-tie eps {eps:g} nats")
+        f"kernels {opts.kernels}, golden {store.shown_path(path)}, near-tie eps {eps:g} nats{note}")
     log(result.table())
     results = {
         **result.results(), "passed": passed, "md5": md5, "golden_md5": g["md5"], "near_tie_eps": eps,

@@ -30,6 +30,7 @@ class Generation:
     topk_logprobs: list[list[float]] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)   # per step [V] fp32, only with keep_logits
     decoder: str = ""                                           # what ran the decode steps
+    top_logits: list[float] = field(default_factory=list)       # per step, the chosen token's logit
 
 
 def _record(gen: Generation, logits: torch.Tensor, topk: int, keep_logits: bool) -> int:
@@ -40,6 +41,7 @@ def _record(gen: Generation, logits: torch.Tensor, topk: int, keep_logits: bool)
     gen.tokens.append(tok)
     gen.topk_ids.append(top.indices.tolist())
     gen.topk_logprobs.append(top.values.tolist())
+    gen.top_logits.append(float(logits[tok]))
     if keep_logits:
         gen.logits.append(logits.detach().float().cpu())
     return tok

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gates.compare import (NEAR_TIE_EPS, NOISE_FACTOR, Divergence, GateResult, Margin, Side, compare_prompt,
-                           diagnose, margin, near_tie_eps, noise_check)
+                           diagnose, margin, near_tie_eps, noise_check, spacing)
 from model.generate import Generation
 
 IDS = [1234, 877, 5, 6, 7, 8, 9, 10, 11, 12]
@@ -109,6 +109,33 @@ def test_bf16_rounding_flip_is_a_near_tie_and_two_spacings_are_not():
     assert diagnose(4, 8, ref, flip, eps).verdict == "near-tie"
     wide = side("test", [877, 1234] + IDS[2:], lps(-1.375, -1.5))   # two spacings
     assert diagnose(4, 8, ref, wide, eps).verdict == "real"
+
+
+def test_bf16_epsilon_follows_the_top_logits_spacing():
+    """Above 16 a bf16 logit moves in steps of 2^-3: a margin of one step is a near-tie there, two are not; below 16
+    the floor of two spacings in [8, 16) holds, and fp32's epsilon stays 1e-4 at any logit a model gives."""
+    assert spacing(torch.bfloat16, 20.0) == 2.0 ** -3 and spacing(torch.bfloat16, -12.0) == 2.0 ** -4
+    assert near_tie_eps(torch.bfloat16, 20.0) == 2.0 ** -2 and near_tie_eps(torch.bfloat16, 40.0) == 2.0 ** -1
+    assert near_tie_eps(torch.bfloat16, 3.0) == near_tie_eps(torch.bfloat16) == 2.0 ** -3
+    assert near_tie_eps(torch.float32, 30.0) == near_tie_eps(torch.float32) == 1e-4
+    assert near_tie_eps(torch.bfloat16, float("nan")) == 2.0 ** -3
+
+
+@pytest.mark.parametrize("top, test_margin, verdict", [(20.0, 0.125, "near-tie"), (20.0, 0.25, "real"),
+                                                       (10.0, 0.125, "real"), (None, 0.125, "real")])
+def test_compare_prompt_takes_the_epsilon_at_the_divergent_steps_top_logit(top, test_margin, verdict):
+    def gen(first, second, margin):
+        g = Generation(prompt=[1], tokens=[3, first], topk_ids=[[3] + list(range(20, 29)), [first, second] +
+                                                                 list(range(20, 28))],
+                       topk_logprobs=[[-0.1 * (i + 1) for i in range(10)], [-1.0, -1.0 - margin] +
+                                      [-3.0 - i for i in range(8)]])
+        if top is not None:
+            g.top_logits = [top + 1.0, top]
+        return g
+    eps = lambda t: near_tie_eps(torch.bfloat16, t)
+    r = compare_prompt(0, gen(5, 9, 0.0), gen(9, 5, test_margin), eps, "rec", "inc")
+    assert r.first_divergence == 1 and r.verdict == verdict
+    assert r.divergence.eps == near_tie_eps(torch.bfloat16, top)
 
 
 def _gen(tokens, logits=None):
