@@ -298,7 +298,8 @@ def _check_shards(path: Path, by_shard: dict[str, list[str]], slots: dict[str, S
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-                    expert_dtype: torch.dtype | None = None) -> tuple[KimiConfig, dict[str, torch.Tensor]]:
+                    expert_dtype: torch.dtype | None = None,
+                    layout_of=None) -> tuple[KimiConfig, dict[str, torch.Tensor]]:
     """Load an original-format checkpoint directory -> (config, internal state dict on `device`).
 
     Reads only data: `config.json` (through `KimiConfig.from_json`; an `auto_map` entry is ignored and no .py
@@ -313,6 +314,10 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     given (`storage_dtype`). Tensors
     go to `device` one at a time (no host copy of the whole model); expert stacks and the q|k|v conv are
     preallocated on `device` and filled block by block.
+
+    `layout_of(cfg) -> (slots, internal shapes)` reads a part of the model (one rank's, `model.parallel`): every check
+    above still covers the whole checkpoint, but only the slots it names are read, and a shard holding none of them
+    is not opened.
     """
     path = Path(path)
     if not dtype.is_floating_point:
@@ -320,6 +325,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     check_expert_dtype(expert_dtype)
     device = torch.device(device)
     cfg, (slots, internal_shapes), weight_map, by_shard = _headers(path)
+    if layout_of is not None:
+        slots, internal_shapes = layout_of(cfg)
 
     stacked = {s.internal for s in slots.values() if s.index != ()}
     out = {n: torch.empty(shape, dtype=storage_dtype(n, dt, dtype, expert_dtype), device=device)
@@ -327,6 +334,9 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     report = sum(torch.Size(s.shape).numel() * s.dtype.itemsize for s in slots.values()) >= 2**30
     loaded, finite, next_report, t0 = [], [], 0.1, time.perf_counter()
     for shard, names in by_shard.items():
+        names = [n for n in names if n in slots]
+        if not names:
+            continue
         with _open(path / shard, str(device)) as f:
             for n in names:
                 s = slots[n]

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
-from .checkpoint import ROUTED_EXPERTS, layout, storage_dtype
+from .checkpoint import ROUTED_EXPERTS, layout
 from .config import KimiConfig
 from .weights import bit_patterns, bit_sum, sample_positions, tensor_digest
 
@@ -175,33 +175,7 @@ def load_checkpoint_shard(path: str | Path, ep: ExpertParallel, device: str | to
     """`model.checkpoint.load_checkpoint` for one rank: every check of the whole checkpoint's config, index, names,
     shapes and dtypes (headers only), then only this rank's tensors read: the replicated ones and its own experts'
     w1/w2/w3, into stacks of `ep.num_local` experts. A shard that holds none of them is not opened again."""
-    path = Path(path)
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
-    checkpoint.check_expert_dtype(expert_dtype)
-    device = torch.device(device)
-    cfg, _, weight_map, by_shard = checkpoint._headers(path)
-    slots, internal = ep.layout(cfg)
-    stacked = {s.internal for s in slots.values() if s.index != ()}
-    out = {n: torch.empty(shape, dtype=storage_dtype(n, dt, dtype, expert_dtype), device=device)
-           for n, (shape, dt) in internal.items() if n in stacked}
-    loaded, finite = [], []
-    for shard, names in by_shard.items():
-        names = [n for n in names if n in slots]
-        if not names:
-            continue
-        with checkpoint._open(path / shard, str(device)) as f:
-            for n in names:
-                s = slots[n]
-                t = f.get_tensor(n).to(storage_dtype(s.internal, s.dtype, dtype, expert_dtype))
-                loaded.append(n)
-                finite.append(torch.isfinite(t).all())
-                if s.index == ():
-                    out[s.internal] = t
-                else:
-                    out[s.internal][s.index].copy_(t)
-    checkpoint._refuse_nonfinite(path, weight_map, loaded, torch.stack(finite).cpu().tolist())
-    return cfg, {n: out[n] for n in internal}
+    return checkpoint.load_checkpoint(path, device, dtype, expert_dtype, layout_of=ep.layout)
 
 
 # ---- processes ---------------------------------------------------------------------------------------------------
