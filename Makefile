@@ -76,7 +76,7 @@ golden: $(SETUP)
 	$(PY) -m gates golden $(GATE_FLAGS) --source $(SOURCE) $(if $(GOLDEN),--golden $(GOLDEN))
 
 bench: $(SETUP)
-	$(PY) -m benchmarks.bench_e2e $(if $(PRESET),--preset $(PRESET))
+	$(PY) -m benchmarks.bench_e2e $(if $(PRESET),--preset $(PRESET)) $(if $(WORLD),--world $(WORLD))
 
 bench-kernels: $(SETUP)
 	$(PY) -m benchmarks.kernels

@@ -2,7 +2,7 @@
 the rooflines measured in the same run.
 
     python -m benchmarks.bench_e2e [--preset 48b-a3b] [--contexts 1024,8192,32768,131072]
-        [--prefill 1024,8192,32768] [--decode-tokens 64] [--peers hf,hf-fla] [--quick]
+        [--prefill 1024,8192,32768] [--decode-tokens 64] [--peers hf,hf-fla] [--world N] [--quick]
 
 One process; the synthetic weights are built once on the device and HF's KimiLinearForCausalLM wraps the same
 tensors. For each context, cheapest first:
@@ -24,6 +24,14 @@ record per configuration and peer. Each record also keeps the host probe measure
 Triton kernels through their wrappers (`results.host_kernel_launch_us`, `measure_kernel_launch_us`): HF's eager
 decode and an eager prefill of a short prompt are bound by the host's launch path, and move with it from run to run.
 `--quick` runs the same code on the tiny preset on a CPU in seconds.
+
+`--world N` splits the routed experts over N ranks that the command starts itself (benchmarks/ranks.py: gloo on a
+CPU, NCCL on CUDA with rank r on cuda:r): every rank runs every configuration in step, rank 0 prints and appends the
+records (params.world, experts_per_rank, on CUDA the GPUs and their links; impl `<impl>-ep<N>`). The peers are not
+run (HF holds the whole model in one process). The rooflines sum the ranks' measured ceilings over the sum of their
+work per token (`roofline_derivation`), and each decode record carries the all_reduce's share of the step, from an
+A/B in the same run (`collective_share`). An error in any rank stops the run (exit 2, naming the rank): a rank
+that went on alone would wait in the next collective.
 """
 from __future__ import annotations
 
@@ -41,10 +49,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from benchmarks import roofline
+from benchmarks import ranks, roofline
 from benchmarks.cli import ints
 from benchmarks.timing import Samples, clock_sampler, log, summarize, sync, time_calls, time_steps
-from records.exits import run_main
+from gates.memory import check_world, gpu_links
+from gates.ranks import RankFailed, check_rank_timeout
+from gates.run import gather
+from model import parallel
+from records.exits import EXIT_REFUSED, run_main
 
 PEERS = ("hf", "hf-fla")
 HF_MODULE = "transformers.models.kimi_linear.modeling_kimi_linear"
@@ -84,6 +96,8 @@ class Settings:
     read_bytes: int = 4 * GiB
     matmul_n: int = 8192
     ceiling_reps: int = 20
+    world: int = 1  # ranks the routed experts are split over (`model.parallel`), one process each
+    rank_timeout_s: float = ranks.DEFAULT_RANK_TIMEOUT_S
 
 
 # A CPU run's records carry no roofline: its read "ceiling" of a few MiB moved from 2 to 39 GB/s between five runs
@@ -217,27 +231,41 @@ def choose_decoder(s: Settings, model):
 
 
 @torch.no_grad()
-def ours_decode(s: Settings, model, ids: torch.Tensor, make_decoder) -> dict:
+def ours_decode(s: Settings, model, ids: torch.Tensor, make_decoder, collective_ab: bool = False,
+                keep: list | None = None) -> dict:
+    """Prefill `ids`, then warm-up and timed greedy steps of `make_decoder(cache)`. `collective_ab` (over several
+    ranks): then as many steps again with the all_reduce of every MoE layer skipped (a decoder made inside
+    `model.parallel.collective_skipped`), timed into `no_collective`; their tokens are wrong and unused. `keep`:
+    a list that receives a copy of each step's logits (warm-up and timed, not the A/B's)."""
     T = ids.shape[1]
-    cache = model.new_cache(ids.shape[0], T + s.warmup_steps + s.decode_tokens + 1)
+    steps = s.warmup_steps + s.decode_tokens
+    cache = model.new_cache(ids.shape[0], T + steps * (2 if collective_ab else 1) + 1)
     t0 = time.perf_counter()
     for a in range(0, T, s.prefill_chunk):
         logits = model.prefill(ids[:, a:a + s.prefill_chunk], cache)
     sync(s.device)
     prefill_s = time.perf_counter() - t0
     finite = [torch.isfinite(logits).all()]
-    decode = make_decoder(cache)
     state = {"tok": logits.argmax(-1)}
 
-    def step():
-        state["logits"] = decode(state["tok"], cache)
-        state["tok"] = state["logits"].argmax(-1)
+    def run(decode, keep):
+        def step():
+            state["logits"] = decode(state["tok"], cache)
+            state["tok"] = state["logits"].argmax(-1)
+            if keep is not None:
+                keep.append(state["logits"].clone())
 
-    for _ in range(s.warmup_steps):
-        step()
-    samples = time_steps(step, s.decode_tokens, s.device)
+        for _ in range(s.warmup_steps):
+            step()
+        return time_steps(step, s.decode_tokens, s.device)
+
+    samples = run(make_decoder(cache), keep)
     finite.append(torch.isfinite(state["logits"]).all())
-    return {"samples": samples, "prefill_s": prefill_s, "finite": bool(torch.stack(finite).all())}
+    out = {"samples": samples, "prefill_s": prefill_s, "finite": bool(torch.stack(finite).all())}
+    if collective_ab:
+        with parallel.collective_skipped():
+            out["no_collective"] = run(make_decoder(cache), None)
+    return out
 
 
 @torch.no_grad()
@@ -297,13 +325,18 @@ def free_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
-def attempt(fn, device) -> tuple[dict | None, str | None]:
-    """(result, None), or (None, reason) after an OOM or any error; memory is released either way."""
+def attempt(fn, device, fatal: bool = False) -> tuple[dict | None, str | None]:
+    """(result, None), or (None, reason) after an OOM or any error; memory is released either way. `fatal` (a run
+    over several ranks): the error is raised, since a rank that went on alone would wait in the next collective."""
     try:
         return fn(), None
     except torch.cuda.OutOfMemoryError as e:
+        if fatal:
+            raise
         reason = f"out of memory: {str(e).splitlines()[0][:300]}"
     except Exception as e:  # one configuration failing must not end an unattended run
+        if fatal:
+            raise
         traceback.print_exc()
         reason = f"{type(e).__name__}: {str(e)[:500]}"
     finally:
@@ -428,13 +461,30 @@ def estimate_s(s: Settings, plan: Plan) -> float:
 
 
 class Bench:
-    def __init__(self, s: Settings, loaded, plan: Plan):
+    """Every configuration of a run on one model; with `ep` (more than one rank), this rank's share of it, every
+    rank running the same configurations in step and rank 0 alone keeping the records. `notes`: said in every
+    record's reasons."""
+
+    def __init__(self, s: Settings, loaded, plan: Plan, ep=None, notes=()):
         self.s, self.loaded, self.cfg, self.model, self.plan = s, loaded, loaded.cfg, loaded.model, plan
         self.dtype = getattr(torch, s.dtype)
-        self.run_id = uuid.uuid4().hex[:12]
+        self.ep, self.notes = ep, list(notes)
+        self.world, self.rank = (1, 0) if ep is None else (ep.world, ep.rank)
+        self.run_id = self.agreed(uuid.uuid4().hex[:12])
         self.records: list[dict] = []
+        self.pending: list[dict] = []  # this group's records, appended once every rank has finished it
         self.impl, self.make_decoder, self.decoder_note = choose_decoder(s, self.model)
         self.hf, self.unavailable, self.spot, self.kernels = None, {}, {}, {}
+        self.gpus = {}
+        if self.world > 1 and torch.device(s.device).type == "cuda":  # each rank's GPU, and the links between them
+            mine = {"rank": self.rank, "cuda": torch.cuda.current_device(), "name": torch.cuda.get_device_name()}
+            names = gather(mine)
+            if self.rank == 0:
+                self.gpus = gpu_links(range(self.world)) or {"gpus": names}
+
+    def agreed(self, x):
+        """Rank 0's x on every rank (a collective), so that every rank makes the same choices; x in one process."""
+        return x if self.world == 1 else gather(x)[0]
 
     # -- setup ----------------------------------------------------------------------------------------
     def prompt(self, T: int) -> torch.Tensor:
@@ -444,8 +494,12 @@ class Bench:
     def measure_ceilings(self) -> None:
         s = self.s
         self.ceil = roofline.measure_ceilings(s.device, s.read_bytes, s.matmul_n, s.ceiling_reps)
+        self.rank_ceil = [self.ceil] if self.world == 1 else gather(self.ceil)
         log(f"ceilings: read {self.ceil.hbm_gbps:.0f} GB/s, bf16 matmul {self.ceil.matmul_tflops:.1f} TFLOP/s; "
             f"host: {self.ceil.launch_us:.2f} us an eager launch, {self.ceil.kernel_launch_us:.2f} us one of our kernels")
+        if self.world > 1:
+            log(f"ceilings over {self.world} ranks: read {sum(c.hbm_gbps for c in self.rank_ceil):.0f} GB/s, bf16 "
+                f"matmul {sum(c.matmul_tflops for c in self.rank_ceil):.1f} TFLOP/s (sums of each rank's)")
 
     def setup_peers(self) -> None:
         if not self.s.peers:
@@ -479,6 +533,8 @@ class Bench:
         from model.hf import hf_greedy
 
         s = self.s
+        if self.world > 1:  # no peer runs over several ranks: nothing to check against
+            return
         prompt = self.prompt(s.spot_prompt)[0].tolist()
         cache = self.model.new_cache(1, len(prompt) + s.spot_tokens)
         res, why = attempt(lambda: generate_incremental(self.model, prompt, s.spot_tokens, cache=cache,
@@ -500,16 +556,24 @@ class Bench:
 
     # -- one configuration ------------------------------------------------------------------------------
     def run_ours(self, who: str, phase: str, T: int, fn) -> Outcome:
-        why = self.plan.skip_reason(who, phase, T)
+        why = self.agreed(self.plan.skip_reason(who, phase, T))
         if why:
             log(f"  {why}")
             return Outcome(reason=why, invalid=True)
         if torch.device(self.s.device).type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        res, err = attempt(fn, self.s.device)
+        res, err = attempt(fn, self.s.device, fatal=self.world > 1)
+        ab = res.pop("no_collective", None) if res else None
         out = measured(res, err, T if phase == "prefill" else 1, who)
         if torch.device(self.s.device).type == "cuda":
             out.extra["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+        if self.world > 1 and who == "ours" and phase == "decode":
+            medians = gather(summarize(ab.samples_ms)["median_ms"] if ab else None)
+            if out.samples and None not in medians:
+                out.extra.update(ranks.collective_share(summarize(out.samples.samples_ms)["median_ms"], medians))
+                log(f"  all_reduce share of the decode step: {out.extra['collective_share']:.1%} (median "
+                    f"{summarize(out.samples.samples_ms)['median_ms']:.3f} ms a step with it, "
+                    f"{out.extra['no_collective_median_ms']:.3f} ms without, slowest rank; A/B in this run)")
         if out.tok_s and who == "ours":
             self.plan.learn("ours", phase, out.tok_s)
         return out
@@ -538,7 +602,8 @@ class Bench:
         who = "recompute" if phase == "recompute" else "ours"
         log(f"{phase} at context {T}: {self.impl if phase == 'decode' else who}")
         if phase == "decode":
-            ours = self.run_ours(who, "decode", T, lambda: ours_decode(s, self.model, ids, self.make_decoder))
+            ours = self.run_ours(who, "decode", T, lambda: ours_decode(s, self.model, ids, self.make_decoder,
+                                                                      collective_ab=self.world > 1))
         elif phase == "recompute":
             ours = self.run_ours(who, "decode", T, lambda: recompute_decode(s, self.model, ids))
         else:
@@ -557,17 +622,34 @@ class Bench:
         free_memory(s.device)
         for p in peers or [None]:
             self.record(phase, T, ours, p, peers.get(p))
+        self.flush()
+
+    def flush(self) -> None:
+        """Append the group's records: over several ranks once every rank has finished the group (a rank that
+        failed in it has stopped the run before this), by rank 0 alone."""
+        from records.store import append
+
+        if self.world > 1:
+            gather(None)
+        for rec in self.pending:
+            append(rec)
+            self.records.append(rec)
+        self.pending = []
 
     # -- records --------------------------------------------------------------------------------------
     def record(self, phase: str, T: int, ours: Outcome, peer: str | None, theirs: Outcome | None) -> None:
-        """One `bench` record: ours at this configuration, against one peer (or none)."""
-        from records.store import append, make_record
+        """One `bench` record: ours at this configuration, against one peer (or none); made on rank 0 alone."""
+        from records.store import make_record
 
+        if self.rank != 0:
+            return
         s, cfg, decode = self.s, self.cfg, phase != "prefill"
+        impl = {"decode": self.impl, "recompute": "recompute", "prefill": "ours-eager"}[phase]
         params = {"phase": "decode" if decode else "prefill", "context": T, "batch": 1,
                   "decode_tokens": {"decode": s.decode_tokens, "recompute": s.recompute_steps, "prefill": 0}[phase],
-                  "impl": {"decode": self.impl, "recompute": "recompute", "prefill": "ours-eager"}[phase],
-                  "peer": peer, "run": self.run_id}
+                  "impl": ranks.impl_name(impl, self.world), "peer": peer, "run": self.run_id, "world": self.world}
+        if self.world > 1:
+            params.update(experts_per_rank=self.ep.num_local, **self.gpus)
         if phase == "decode":
             params["prefill_chunk"] = s.prefill_chunk
         if phase == "prefill":
@@ -575,7 +657,9 @@ class Bench:
         if peer and phase == "decode":
             params["peer_decode_tokens"] = s.peer_decode_tokens
 
-        if decode:
+        if self.world > 1:
+            roof, work = ranks.over_ranks(cfg, T, self.dtype, decode, self.rank_ceil)
+        elif decode:
             roof = roofline.decode_roofline_tok_s(cfg, T, self.ceil.hbm_gbps, self.dtype)
             work = {"bytes_per_token": roofline.decode_bytes_per_token(cfg, T, self.dtype)}
         else:
@@ -604,11 +688,11 @@ class Bench:
         reasons = [o.reason for o in sides if o.reason]
         if phase == "decode" and self.decoder_note:
             reasons.append(self.decoder_note)
+        reasons += self.notes
         rec = make_record("bench", preset=s.preset, dtype=s.dtype, device=s.device,
                           weights=self.loaded.weights, params=params, results=results,
                           verdict="INVALID" if any(o.invalid for o in sides) else "VALID", reasons=reasons)
-        append(rec)
-        self.records.append(rec)
+        self.pending.append(rec)
 
     # -- the whole run --------------------------------------------------------------------------------
     def run(self) -> list[dict]:
@@ -622,7 +706,7 @@ class Bench:
 
     def summary(self) -> None:
         log("summary (tok/s; roofline fraction; peers):")
-        print(f"{'phase':8} {'context':>8} {'impl':11} {'tok/s':>10} {'roofline':>9} {'peer':7} {'peer tok/s':>10} "
+        print(f"{'phase':8} {'context':>8} {'impl':14} {'tok/s':>10} {'roofline':>9} {'peer':7} {'peer tok/s':>10} "
               f"{'speedup':>8}  verdict", flush=True)
         for r in self.records:
             p, q = r["params"], r["results"]
@@ -630,11 +714,17 @@ class Bench:
             def f(x, spec):
                 return "-" if x is None else format(x, spec)
 
-            print(f"{p['phase']:8} {p['context']:>8} {p['impl']:11} {f(q['tok_s'], ',.1f'):>10} "
+            print(f"{p['phase']:8} {p['context']:>8} {p['impl']:14} {f(q['tok_s'], ',.1f'):>10} "
                   f"{f(q['roofline_fraction'], '.1%'):>9} {p['peer'] or '-':7} {f(q['peer_tok_s'], ',.1f'):>10} "
                   f"{f(q['speedup_vs_peer'], '.1f'):>8}  {r['verdict']}"
                   + (f" ({'note: ' if r['verdict'] == 'VALID' else ''}{'; '.join(x[:120] for x in r['reasons'])})"
                      if r["reasons"] else ""), flush=True)
+        for r in self.records:
+            p, q = r["params"], r["results"]
+            if q.get("collective_share") is not None:
+                print(f"collective: decode at context {p['context']} over {p['world']} ranks: the all_reduce takes "
+                      f"{q['collective_share']:.1%} of the step ({q['median_ms']:.3f} ms with it, "
+                      f"{q['no_collective_median_ms']:.3f} ms without, A/B in this run)", flush=True)
 
 
 # ---- command line ----------------------------------------------------------------------------------
@@ -665,6 +755,11 @@ def settings(argv: list[str] | None = None) -> Settings:
     ap.add_argument("--budget-s", type=float, help="skip what would end past this many seconds of the run")
     ap.add_argument("--eager", action="store_true", help="time eager decode_step instead of the graph decoder")
     ap.add_argument("--seed", type=int)
+    ap.add_argument("--world", type=int, metavar="N",
+                    help="split the routed experts over N ranks, one process (on CUDA one GPU) each (default 1)")
+    ap.add_argument("--rank-timeout-s", type=float, metavar="S",
+                    help=f"with N > 1: seconds the ranks may run, and one collective may wait "
+                         f"(default {ranks.DEFAULT_RANK_TIMEOUT_S:g})")
     a = ap.parse_args(argv)
     base = Settings(**QUICK) if a.quick else Settings()
     if a.device is None and not a.quick and not torch.cuda.is_available():
@@ -686,30 +781,65 @@ def settings(argv: list[str] | None = None) -> Settings:
             ap.error(f"--{name.replace('_', '-')} must be > 0 seconds")
     if not (s.contexts or s.prefill or s.recompute_steps):
         ap.error("nothing to measure: --contexts and --prefill name no length and --recompute-steps is 0")
+    try:
+        check_world(s.world, PRESETS[s.preset].num_experts)
+        check_rank_timeout(s.rank_timeout_s)
+    except ValueError as e:
+        ap.error(str(e))
+    if s.world > 1 and s.device not in ("cpu", "cuda"):
+        ap.error(f"--device {s.device} with --world {s.world}: rank r computes on cuda:r; give --device cuda or cpu")
+    gpus = torch.cuda.device_count() if s.device == "cuda" else None
+    if gpus is not None and s.world > gpus:
+        ap.error(f"--world {s.world}: each rank computes on a GPU of its own, and torch sees {gpus} CUDA "
+                 f"device{'s' if gpus != 1 else ''}")
     return s
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    # fla reads this when imported (by HF's module, later): measure its Triton KDA path (SPEC.md §2).
-    os.environ.setdefault("FLA_FLASH_KDA", "0")
+def measure(s: Settings, ep=None) -> list[dict]:
+    """Load the model (with `ep`, this rank's share of it: a collective) and run every configuration: a run in one
+    process, or one rank's part of a run over several (`benchmarks.ranks`)."""
     from model.build import load_model
     from model.config import get_config
     from model.params import param_counts
 
-    s = settings(argv)
-    log(f"bench_e2e: {s}")
-    weight_gb = param_counts(get_config(s.preset)).total * getattr(torch, s.dtype).itemsize / 1e9
+    world, notes = 1 if ep is None else ep.world, []
+    if world > 1 and s.peers:
+        notes.append(ranks.peers_skipped(s.peers, world))
+        log(notes[-1])
+        s = replace(s, peers=())
+    c = param_counts(get_config(s.preset))
+    weight_gb = (c.total - c.routed_experts * (world - 1) // world) * getattr(torch, s.dtype).itemsize / 1e9
     plan = Plan(s)
-    log(f"plan: {weight_gb:.1f} GB of synthetic weights (~{weight_gb / PLAN_SYNTH_GBPS:.0f} s), then "
-        f"{groups(s)} in ~{estimate_s(s, plan):.0f} s at the rates {PLAN_RATES} (tok/s, updated as measured); "
-        f"budget {s.budget_s:g} s from the start, each peer configuration capped at {s.peer_max_s:g} s")
-    loaded = load_model(s.preset, device=s.device, dtype=getattr(torch, s.dtype), seed=s.seed)
+    log(f"plan: {weight_gb:.1f} GB of synthetic weights{' a rank' if world > 1 else ''} "
+        f"(~{weight_gb / PLAN_SYNTH_GBPS:.0f} s), then {groups(s)} in ~{estimate_s(s, plan):.0f} s at the rates "
+        f"{PLAN_RATES} (tok/s, updated as measured); budget {s.budget_s:g} s from the start, each peer "
+        f"configuration capped at {s.peer_max_s:g} s")
+    loaded = load_model(s.preset, device=s.device, dtype=getattr(torch, s.dtype), seed=s.seed, ep=ep)
     sync(s.device)
     log(f"weights {loaded.source} {loaded.weights} on {loaded.model.device}")
-    bench = Bench(s, loaded, plan)
-    records = bench.run()
+    return Bench(s, loaded, plan, ep=ep, notes=notes).run()
+
+
+def main(argv: list[str] | None = None) -> list[dict] | int:
+    """The records appended; over several ranks, exit 2 (one line naming the rank) where a rank failed."""
+    # fla reads this when imported (by HF's module, later): measure its Triton KDA path (SPEC.md §2).
+    os.environ.setdefault("FLA_FLASH_KDA", "0")
+    s = settings(argv)
+    log(f"bench_e2e: {s}")
+    if s.world == 1:
+        records = measure(s)
+    else:
+        try:
+            records = ranks.run_ranks(s)
+        except RankFailed as e:
+            if e.detail:
+                print(e.detail.strip(), file=sys.stderr)
+            print(f"error: bench over {s.world} ranks stopped: {e}; records are kept only of the configurations "
+                  f"every rank finished", file=sys.stderr)
+            return EXIT_REFUSED
     bad = sum(r["verdict"] != "VALID" for r in records)
-    log(f"done: {len(records)} bench records appended ({bad} INVALID), run {bench.run_id}")
+    run = records[0]["params"]["run"] if records else "-"
+    log(f"done: {len(records)} bench records appended ({bad} INVALID), run {run}")
     return records
 
 

@@ -20,6 +20,7 @@ which starts its own. On CUDA rank r computes on cuda:LOCAL_RANK over NCCL; on a
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -39,6 +40,7 @@ from .weights import bit_patterns, bit_sum, sample_positions, tensor_digest
 
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 DEFAULT_TIMEOUT_S = 600
+_skip_collective = False  # set only inside `collective_skipped`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +128,8 @@ class ExpertParallel:
         """The sum over the ranks of the partial outputs y: one all_reduce (SUM) in fp32 (fp64 for an fp64 y),
         rounded once to y's dtype. Every rank gets the same bits."""
         acc = y if y.dtype in (torch.float32, torch.float64) else y.float()
-        dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=self.group)
+        if not _skip_collective:
+            dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=self.group)
         return acc.to(y.dtype)
 
     def digest(self, name: str, t: torch.Tensor) -> tuple[list[int], torch.Tensor]:
@@ -148,6 +151,18 @@ class ExpertParallel:
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return [self.num_experts, *t.shape[1:]], torch.cat([total.view(torch.uint8),
                                                             sample.to(bits.dtype).view(torch.uint8)])
+
+
+@contextlib.contextmanager
+def collective_skipped():
+    """Inside the block `ExpertParallel.reduce` skips its all_reduce, each rank keeping its own partial output (wrong
+    outputs, and a CUDA graph captured inside holds no collective), so that a benchmark can time a step without it."""
+    global _skip_collective
+    before, _skip_collective = _skip_collective, True
+    try:
+        yield
+    finally:
+        _skip_collective = before
 
 
 def shard_(model: torch.nn.Module, ep: ExpertParallel) -> torch.nn.Module:

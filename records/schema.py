@@ -308,7 +308,10 @@ MEMORY_RESULTS = Obj(dict(
 # ---- bench: benchmarks/bench_e2e.py, one record per configuration and peer ---------------------------------
 
 BENCH_PARAMS = obj(phase=TEXT, context=INT, batch=INT, decode_tokens=INT, impl=TEXT, peer=TEXT, run=TEXT,
-                   prefill_chunk=INT, reps=INT, peer_reps=INT, peer_decode_tokens=INT)
+                   prefill_chunk=INT, reps=INT, peer_reps=INT, peer_decode_tokens=INT,
+                   # the ranks the routed experts were split over (benchmarks/ranks.py), the experts each held and,
+                   # on CUDA, each rank's GPU and the links between them, as the gates record them
+                   world=INT, experts_per_rank=INT, gpus=GATE_OPTIONS["gpus"], links=GATE_OPTIONS["links"])
 SPOT_CHECK_T = obj(agree=INT, total=INT, prompt_len=INT, verdict=TEXT, first_divergence=INT, explanation=TEXT,
                    error=TEXT)
 # ours and the peer: the same measurements, the peer's under `peer_`
@@ -319,6 +322,11 @@ BENCH_RESULTS = Obj(dict(
     roofline_fraction=NUMBER, roofline_note=TEXT, hbm_gbps=NUMBER, matmul_tflops=NUMBER, host_launch_us=NUMBER,
     host_kernel_launch_us=NUMBER, bytes_per_token=NUMBER, flops_per_token=NUMBER, p10_ms=NUMBER, p90_ms=NUMBER,
     prefill_s=NUMBER, peak_gib=NUMBER, peer_prefill_ms=NUMBER, peer_kernels=MapOf(TEXT), spot_check=SPOT_CHECK_T,
+    # over several ranks: each rank's ceilings and work per token, how the roofline was derived from them, and the
+    # all_reduce's share of the decode step from an A/B in the same run (benchmarks/ranks.py)
+    rank_hbm_gbps=NUMBERS, rank_matmul_tflops=NUMBERS, rank_bytes_per_token=NUMBERS, rank_flops_per_token=NUMBERS,
+    roofline_derivation=TEXT, collective_share=NUMBER, collective_ms=NUMBER, no_collective_median_ms=NUMBER,
+    rank_no_collective_median_ms=NUMBERS, collective_ab=TEXT,
     **_SIDE, **{f"peer_{k}": t for k, t in _SIDE.items()}))
 
 # ---- kernel: benchmarks/kernels, bench_ab, bench_energy -----------------------------------------------------

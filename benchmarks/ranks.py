@@ -1,0 +1,153 @@
+"""The end-to-end benchmark over several ranks (`python -m benchmarks.bench_e2e --world N`): the command starts the N
+processes itself, the ranks of one process group (`model.parallel.spawn`: forked over gloo on a CPU, started fresh
+over NCCL on CUDA with rank r on cuda:r), as the gates do (gates/ranks.py). Each rank loads its share of the routed
+experts and runs every configuration, since each MoE layer is a collective; rank 0 alone prints and appends the
+records, once every rank has finished the configuration. A rank that crashes, dies or hangs stops the run
+(`RankFailed`, naming it), which the command turns into exit 2.
+
+The rooflines over N GPUs: a rank's work per token is its own share (decode: the replicated weights and the state
+whole, the top-k routed experts' rows split evenly, k/N a rank; prefill: the whole model's FLOPs, since every rank
+still computes every routed pair, the foreign ones weighted zero, docs/PARALLEL.md), and the ceiling is the sum of
+the ranks' measured rates over the sum of their work. The collective's share of a decode step comes from an A/B in
+the same run on the same ranks: the step timed as it is, then with the per-MoE-layer all_reduce skipped
+(`model.parallel.collective_skipped`).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import roofline
+from gates.memory import describe_links, gpu_links
+from gates.ranks import RankFailed
+from model import parallel
+from model.config import KimiConfig, get_config
+
+DEFAULT_RANK_TIMEOUT_S = 3600.0  # how long the ranks may run, and the longest one collective may wait
+DECODE_DERIVATION = (
+    "over {world} ranks: roofline_tok_s = hbm_gbps / bytes_per_token, where hbm_gbps sums the read bandwidth each "
+    "rank measured (rank_hbm_gbps) and bytes_per_token sums the bytes each rank reads per token "
+    "(rank_bytes_per_token): the replicated weights and the per-sequence state whole, the top-k routed experts' "
+    "rows split evenly, k/{world} a rank (the ideal split)")
+PREFILL_DERIVATION = (
+    "over {world} ranks: roofline_tok_s = matmul_tflops / flops_per_token, where matmul_tflops sums the bf16 "
+    "matmul rate each rank measured (rank_matmul_tflops) and flops_per_token sums each rank's FLOPs per token "
+    "(rank_flops_per_token): the whole model's, as every rank computes every routed pair (the foreign ones "
+    "weighted zero)")
+COLLECTIVE_AB = (
+    "A/B in this run on the same ranks: the decode step timed with its all_reduce per MoE layer, then as many steps "
+    "with the collective skipped (model.parallel.collective_skipped, a graph captured without it); "
+    "collective_ms = median_ms - no_collective_median_ms (the slowest rank's median without it); "
+    "collective_share = collective_ms / median_ms, clamped to [0, 1]")
+
+
+def impl_name(impl: str, world: int) -> str:
+    """A record's impl over several ranks names the world, so that its series stays apart from one process's."""
+    return impl if world == 1 else f"{impl}-ep{world}"
+
+
+def peers_skipped(peers, world: int) -> str:
+    return (f"peers {', '.join(peers)} not run over {world} ranks: HF transformers runs the whole model in one "
+            f"process, ours is split over {world}")
+
+
+def first_line(s) -> str:
+    """What a run over several ranks says first: how many, the experts each holds, where (on CUDA each GPU and the
+    links between them, as NVML reports them)."""
+    cfg = get_config(s.preset)
+    where = "cpu, gloo" if s.device == "cpu" else f"cuda, NCCL; {describe_links(gpu_links(range(s.world)))}"
+    return (f"bench over {s.world} ranks, {cfg.num_experts // s.world} experts each: {s.preset} {s.dtype} "
+            f"({where})")
+
+
+# ---- the rooflines over ranks --------------------------------------------------------------------------------
+
+def routed_active_params(cfg: KimiConfig) -> int:
+    """The routed experts' parameters one decoded token reads: its top-k experts in every MoE layer."""
+    n_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+    return n_moe * cfg.num_experts_per_token * 3 * cfg.moe_intermediate_size * cfg.hidden_size
+
+
+def rank_decode_bytes_per_token(cfg: KimiConfig, context: int, dtype: torch.dtype, world: int) -> float:
+    """Bytes one rank of `world` reads per decoded token: `roofline.decode_bytes_per_token` with the routed experts'
+    share cut to 1/world (world 1: the one-process figure)."""
+    routed = routed_active_params(cfg) * dtype.itemsize
+    return roofline.decode_bytes_per_token(cfg, context, dtype) - routed * (world - 1) / world
+
+
+def over_ranks(cfg: KimiConfig, T: int, dtype: torch.dtype, decode: bool, ceilings: list) -> tuple[float, dict]:
+    """(roofline tok/s, the record's fields) of a configuration over len(ceilings) ranks, from each rank's measured
+    `roofline.Ceilings`: the sum of the rates over the sum of the ranks' work per token. The record's hbm_gbps and
+    matmul_tflops are the sums, each rank's under rank_*."""
+    world = len(ceilings)
+    gbps, tflops = [c.hbm_gbps for c in ceilings], [c.matmul_tflops for c in ceilings]
+    fields = {"hbm_gbps": sum(gbps), "rank_hbm_gbps": gbps, "matmul_tflops": sum(tflops), "rank_matmul_tflops": tflops}
+    if decode:
+        work = [rank_decode_bytes_per_token(cfg, T, dtype, world)] * world
+        fields.update(bytes_per_token=sum(work), rank_bytes_per_token=work,
+                      roofline_derivation=DECODE_DERIVATION.format(world=world))
+        return sum(gbps) * roofline.GB / sum(work), fields
+    work = [roofline.prefill_flops_per_token(cfg, T)] * world
+    fields.update(flops_per_token=sum(work), rank_flops_per_token=work,
+                  roofline_derivation=PREFILL_DERIVATION.format(world=world))
+    return sum(tflops) * 1e12 / sum(work), fields
+
+
+def collective_share(with_ms: float, without_ms: list[float]) -> dict:
+    """The record's fields of the collective A/B: the median decode step with the all_reduce (`with_ms`) and each
+    rank's median without it (the step waits for the slowest rank, so its time is the one compared)."""
+    slowest = max(without_ms)
+    diff = with_ms - slowest
+    return {"no_collective_median_ms": slowest, "rank_no_collective_median_ms": list(without_ms),
+            "collective_ms": diff, "collective_share": min(1.0, max(0.0, diff / with_ms)),
+            "collective_ab": COLLECTIVE_AB}
+
+
+# ---- the ranks ---------------------------------------------------------------------------------------------------
+
+def _rank_main(s) -> list[dict] | None:
+    """One rank: its share of the model, every configuration; rank 0 prints and returns its records, the others are
+    silent (their errors still reach stderr)."""
+    from benchmarks import bench_e2e
+    from model.parallel import ExpertParallel
+
+    rank = dist.get_rank()
+    if s.device == "cpu":  # the ranks share the host's cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // s.world))
+    with contextlib.ExitStack() as stack:
+        if rank != 0:
+            stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
+        records = bench_e2e.measure(s, ExpertParallel.of(get_config(s.preset).num_experts))
+    return records if rank == 0 else None
+
+
+def _last_line(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return lines[-1].strip() if lines else "(no message)"
+
+
+def run_ranks(s, log=print) -> list[dict]:
+    """Run the benchmark of settings `s` over `s.world` ranks started here (forked on a CPU; started fresh on CUDA,
+    which cannot be forked) and return rank 0's records; RankFailed, naming the rank, where one fails."""
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    if s.world < 2:
+        raise ValueError(f"run_ranks needs world >= 2, got {s.world}")
+    log(first_line(s))
+    sys.stdout.flush()  # a forked rank would write out what the parent still buffers once more
+    sys.stderr.flush()
+    try:
+        got = parallel.spawn(_rank_main, s.world, (s,), device=s.device, timeout_s=s.rank_timeout_s,
+                             start_method="fork" if s.device == "cpu" else "spawn")
+    except ProcessRaisedException as e:
+        raise RankFailed(f"rank {e.error_index} crashed: {_last_line(e.msg)}", e.msg) from None
+    except ProcessExitedException as e:
+        how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
+        raise RankFailed(f"rank {e.error_index} died ({how}) without a result") from None
+    except TimeoutError as e:
+        raise RankFailed(str(e)) from None
+    return got[0]
