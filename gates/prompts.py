@@ -6,8 +6,8 @@ question, numbers, a dialogue, multilingual text (Han runs, accents, Cyrillic: o
 and multi-byte UTF-8), and repetition (a long self-similar context stresses the recurrent state).
 
 A checkpoint may carry its own battery, suited to what it was trained on: `prompts.json` in its folder,
-`{"prompts": [text, ...]}` (the suite's reference checkpoint carries `PYTHON_PROMPTS`). It is read as any other
-checkpoint file is (size-capped, strict JSON, no link out of the folder) and checked before use.
+`{"prompts": [text, ...]}` (the suite's reference checkpoint carries `model.train.PYTHON_PROMPTS`). It is read as
+any other checkpoint file is (size-capped, strict JSON, no link out of the folder) and checked before use.
 
 Text becomes ids one of two ways:
 - a checkpoint directory with a `tiktoken.model`: Kimi's tokenizer (`model.tokenizer`), BOS first; a
@@ -45,20 +45,6 @@ PROMPTS: tuple[str, ...] = (
     "English: good morning. Français : bonjour. 中文：早上好。 Русский: доброе утро. Español:",
     # repetition
     "one two three one two three one two three one two three one two three one two three one two",
-)
-
-# The battery of a model trained on Python source (the reference checkpoint): eight openings of different kinds,
-# each of which a trained model continues with confidence: a signature, a class body, imports, a docstring, a loop,
-# exception handling, a dict literal, a decorated method.
-PYTHON_PROMPTS: tuple[str, ...] = (
-    "def read_lines(path):\n    with open(path, encoding=\"utf-8\") as f:\n        return",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n",
-    "import os\nimport sys\nimport re\n\n__all__ = [",
-    "def split(s, sep=None, maxsplit=-1):\n    \"\"\"Return a list of the words in the string, using sep as the",
-    "    for i in range(len(items)):\n        if items[i] is None:\n",
-    "    try:\n        value = int(text)\n    except ValueError:\n        raise",
-    "_defaults = {\n    'encoding': 'utf-8',\n    'errors': 'strict',\n",
-    "    @property\n    def name(self):\n        \"\"\"The name of the file.\"\"\"\n        return",
 )
 
 DEFAULT_NEW_TOKENS = 16

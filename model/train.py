@@ -83,12 +83,19 @@ LN2 = math.log(2)
 TIMED_STEPS = 20  # steps after the first that time a step for `--time-limit`
 CUDA_PRECISION = "bf16 weights, fp32 AdamW masters"   # the precision of a run on CUDA; a CPU run is fp32
 RECORD_KIND = "train"
-# The battery the checkpoint carries (prompts.json): excerpts of training files, text the model has learned, so that
-# its greedy choices are decisive and the gates judge the implementation rather than the model's indecision.
-BATTERY_SIZE, BATTERY_CHARS, BATTERY_MIN_CHARS = 8, 320, 80
-BATTERY_RULE = (f"the first {BATTERY_SIZE} train files in sha256(relative path) order whose excerpt has at least "
-                f"{BATTERY_MIN_CHARS} characters; the excerpt: the whole lines of the {BATTERY_CHARS} characters before "
-                f"the line break nearest below the file's middle")
+# The battery of a model trained on Python source (the reference checkpoint): eight openings of different kinds,
+# each of which a trained model continues with confidence: a signature, a class body, imports, a docstring, a loop,
+# exception handling, a dict literal, a decorated method.
+PYTHON_PROMPTS: tuple[str, ...] = (
+    "def read_lines(path):\n    with open(path, encoding=\"utf-8\") as f:\n        return",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n",
+    "import os\nimport sys\nimport re\n\n__all__ = [",
+    "def split(s, sep=None, maxsplit=-1):\n    \"\"\"Return a list of the words in the string, using sep as the",
+    "    for i in range(len(items)):\n        if items[i] is None:\n",
+    "    try:\n        value = int(text)\n    except ValueError:\n        raise",
+    "_defaults = {\n    'encoding': 'utf-8',\n    'errors': 'strict',\n",
+    "    @property\n    def name(self):\n        \"\"\"The name of the file.\"\"\"\n        return",
+)
 MAX_CURVE_BYTES = 64 << 20   # a loss curve is ~50 bytes a step: past this it is no curve of this script
 
 
@@ -139,20 +146,6 @@ class Corpus:
             return out
         return Corpus(take(self.train, max_bytes), take(self.heldout, max(1, max_bytes // 10)), self.python,
                       self.skipped_not_utf8)
-
-
-def battery(corpus: Corpus) -> list[tuple[str, str]]:
-    """(file, excerpt) for the checkpoint's prompt battery, by BATTERY_RULE: fixed by the corpus, never by the model."""
-    out = []
-    for d in sorted(corpus.train, key=lambda d: hashlib.sha256(d.name.encode()).digest()):
-        end = d.text.rfind("\n", 0, len(d.text) // 2) + 1
-        start = d.text.find("\n", max(0, end - BATTERY_CHARS), end) + 1 if end else 0
-        text = d.text[start:end]
-        if len(text) >= BATTERY_MIN_CHARS and text.strip():
-            out.append((d.name, text))
-        if len(out) == BATTERY_SIZE:
-            break
-    return out
 
 
 def stdlib_root() -> Path:
@@ -609,7 +602,6 @@ def run(opts: RunOptions, log=print, command: str | None = None) -> dict:
         f"{final['tokens']:,} tokens; expert load max/mean per MoE layer {[e['max'] for e in experts]}, unused "
         f"{[e['unused'] for e in experts]}; weights {loaded.weights}")
 
-    prompts = battery(corpus)
     provenance = {
         "what": "the suite's reference Kimi-Linear, trained on the Python standard library's source (model.train)",
         "command": command,
@@ -622,7 +614,6 @@ def run(opts: RunOptions, log=print, command: str | None = None) -> dict:
                       "base_tokens": opts.size.n_base, "specials": bpe.N_SPECIAL,
                       "sha256": "sha256:" + hashlib.sha256((out / TOKENIZER_FILE).read_bytes()).hexdigest(),
                       "train_tokens": len(train_tokens.ids), "heldout_tokens": len(heldout_tokens.ids)},
-        "battery": {"file": PROMPTS_FILE, "rule": BATTERY_RULE, "files": [name for name, _ in prompts]},
         "model": {"parameters": params, "checkpoint_bytes": checkpoint_bytes(cfg),
                   "size": dataclasses.asdict(opts.size), "layer_kinds": cfg.layer_kinds},
         "training": dataclasses.asdict(opts.train) | {
@@ -638,7 +629,7 @@ def run(opts: RunOptions, log=print, command: str | None = None) -> dict:
                                   "context)",
                     "evals": summary["evals"], "expert_load": experts},
     }
-    (out / PROMPTS_FILE).write_text(json.dumps({"prompts": [text for _, text in prompts]}, indent=1) + "\n")
+    (out / PROMPTS_FILE).write_text(json.dumps({"prompts": list(PYTHON_PROMPTS)}, indent=1) + "\n")
     (out / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=1) + "\n")
     (out / CURVE_FILE).write_text("".join(json.dumps(rec) + "\n" for rec in curve))
     if opts.record:

@@ -609,18 +609,31 @@ def gates_section(gates: list[dict], out: Path) -> Section:
 
 
 REFERENCE_LABEL = "kimi-linear-ref"  # the suite's trained reference checkpoint (checkpoints/): drawn where recorded
+REFERENCE_PROVENANCE = store.REPO_ROOT / "checkpoints" / REFERENCE_LABEL / "provenance.json"
 
 
-def train_section(trains: list[dict], out: Path) -> Section:
+def committed_reference_weights() -> str | None:
+    """The weights id of the reference checkpoint in this checkout (its provenance.json), or None."""
+    try:
+        w = json.loads(REFERENCE_PROVENANCE.read_text()).get("weights")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return w if isinstance(w, str) else None
+
+
+def train_section(trains: list[dict], out: Path, committed: str | None = None) -> Section:
     """The reference checkpoint's training (model/train.py `train` records): the loss at every step and the held-out
-    evals of the latest record of REFERENCE_LABEL (else the latest record), and every training run in a table."""
+    evals of the record of the committed checkpoint's weights (`committed`), else the latest of REFERENCE_LABEL, else
+    the latest record (a trial retrain that was not committed is not drawn as the reference), and every training
+    run in a table."""
     s = Section("Reference checkpoint")
     P, R = TRAIN.params, TRAIN.results
     trains, s.blocks = usable(sorted(trains, key=lambda r: r["time"]), (R.curve, R.evals), "train")
     if not trains:
         s.blocks.append(NO_RECORDS)
         return s
-    ref = max(trains, key=lambda r: (P.label.get(r) == REFERENCE_LABEL, r["time"]))
+    ref = max(trains, key=lambda r: (committed is not None and r["weights"] == committed,
+                                     P.label.get(r) == REFERENCE_LABEL, r["time"]))
     curve, evals = R.curve.get(ref), R.evals.get(ref)
     pts = [(R.curve.each.step.get(c), R.curve.each.loss.get(c)) for c in curve]
     pts = [(x, y) for x, y in pts if x is not None and y is not None]
@@ -959,7 +972,7 @@ def build(loaded, out: Path) -> list[Section]:
         ("Speed against context length", lambda: speed_section(of("bench"), out)),
         ("Speed history and regressions", lambda: history_section(of("bench"), out)),
         ("Gates", lambda: gates_section(of("gate_a", "gate_b"), out)),
-        ("Reference checkpoint", lambda: train_section(of("train"), out)),
+        ("Reference checkpoint", lambda: train_section(of("train"), out, committed_reference_weights())),
         ("Greedy margins on the battery", lambda: margins_section(of("margins"), out)),
         ("Decode time decomposition", lambda: decomposition_section(
             [r for r in of("decomposition") if DECOMPOSITION.params.phase.get(r, "decode") == "decode"

@@ -1,7 +1,8 @@
 import json, os
 from pathlib import Path
 import pytest
-from gates.prompts import PYTHON_PROMPTS, PROMPTS, PromptsError, battery, read_prompts
+from gates.prompts import PROMPTS, PromptsError, battery, read_prompts
+from model.train import PYTHON_PROMPTS
 from model.config import get_config
 
 TINY = get_config("tiny")

@@ -9,10 +9,11 @@ import torch
 from gates.gate_a import run_gate_a
 from gates.golden import validate_golden
 from gates.plant import planted
-from gates.prompts import PYTHON_PROMPTS, battery, read_prompts
+from gates.prompts import battery, read_prompts
 from gates.run import EXIT_FAIL, load_subject, resolve
 from model.tokenizer import KimiTokenizer
 from model.checkpoint import check_checkpoint
+from model.train import PYTHON_PROMPTS
 from records.store import load
 
 REF = Path(__file__).resolve().parents[1] / "checkpoints" / "kimi-linear-ref"

@@ -1,5 +1,6 @@
 """reports/render.py on the fixture history (tests/fixtures/records, written by tests/fixtures/make_history.py)."""
 import copy
+import json
 import importlib.util
 import re
 import shutil
@@ -567,3 +568,16 @@ def test_the_report_shows_no_machine_path_of_a_record():
     assert no_machine_path("--golden /root/out/x-bf16.json: no such file") == "--golden …/x-bf16.json: no such file"
     url = "see https://docs.nvidia.com/cuda/cuda-runtime-api/group.html and reports/traces/a.json"
     assert no_machine_path(url) == url          # a URL's path and a relative path stay
+
+
+def test_a_later_trial_retrain_is_not_drawn_over_the_committed_checkpoint(tmp_path):
+    """Of two training runs of the reference label, the one whose weights the checkout's checkpoint has is drawn,
+    though the other is later; with no committed weights known, the latest."""
+    committed, trial = train_record(), train_record()
+    trial["weights"], trial["time"] = "sha256:57d73ccd9d189bf0", "2999-01-01T00:00:00+00:00"
+    trial["id"] = "f" * 32
+    drawn = lambda w: next(b for b in render.train_section([committed, trial], tmp_path / w[-4:], w).blocks
+                           if isinstance(b, render.Figure)).source
+    assert short(committed) in drawn(committed["weights"]) and short(trial) not in drawn(committed["weights"])
+    assert short(trial) in drawn("sha256:none")
+    assert render.committed_reference_weights() == json.loads(render.REFERENCE_PROVENANCE.read_text())["weights"]
