@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 from benchmarks import roofline
 from gates.memory import describe_links, gpu_links
-from gates.ranks import RankFailed
-from model import parallel
+from gates.ranks import DEFAULT_RANK_TIMEOUT_S, spawn_ranks  # noqa: F401 (the bench default too)
 from model.config import KimiConfig, get_config
 
-DEFAULT_RANK_TIMEOUT_S = 3600.0  # how long the ranks may run, and the longest one collective may wait
 DECODE_DERIVATION = (
     "over {world} ranks: roofline_tok_s = hbm_gbps / bytes_per_token, where hbm_gbps sums the read bandwidth each "
     "rank measured (rank_hbm_gbps) and bytes_per_token sums the bytes each rank reads per token "
@@ -125,29 +122,10 @@ def _rank_main(s) -> list[dict] | None:
     return records if rank == 0 else None
 
 
-def _last_line(text: str) -> str:
-    lines = [x for x in text.strip().splitlines() if x.strip()]
-    return lines[-1].strip() if lines else "(no message)"
-
-
 def run_ranks(s, log=print) -> list[dict]:
-    """Run the benchmark of settings `s` over `s.world` ranks started here (forked on a CPU; started fresh on CUDA,
-    which cannot be forked) and return rank 0's records; RankFailed, naming the rank, where one fails."""
-    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
-
+    """Run the benchmark of settings `s` over `s.world` ranks started here and return rank 0's records; RankFailed,
+    naming the rank, where one fails."""
     if s.world < 2:
         raise ValueError(f"run_ranks needs world >= 2, got {s.world}")
     log(first_line(s))
-    sys.stdout.flush()  # a forked rank would write out what the parent still buffers once more
-    sys.stderr.flush()
-    try:
-        got = parallel.spawn(_rank_main, s.world, (s,), device=s.device, timeout_s=s.rank_timeout_s,
-                             start_method="fork" if s.device == "cpu" else "spawn")
-    except ProcessRaisedException as e:
-        raise RankFailed(f"rank {e.error_index} crashed: {_last_line(e.msg)}", e.msg) from None
-    except ProcessExitedException as e:
-        how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
-        raise RankFailed(f"rank {e.error_index} died ({how}) without a result") from None
-    except TimeoutError as e:
-        raise RankFailed(str(e)) from None
-    return got[0]
+    return spawn_ranks(_rank_main, s.world, (s,), s.device, s.rank_timeout_s)[0]

@@ -65,19 +65,17 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else "(no message)"
 
 
-def run_ranks(command: str, opts: Options, timeout_s: float = DEFAULT_RANK_TIMEOUT_S, log=print) -> int:
-    """Run `command` over `opts.world` ranks started here (forked on a CPU, where it saves each rank the imports;
-    started fresh on CUDA, which cannot be forked) and return rank 0's exit code."""
+def spawn_ranks(fn, world: int, args: tuple, device: str, timeout_s: float) -> list:
+    """`fn(*args)` on `world` ranks started here (forked on a CPU, where it saves each rank the imports; started fresh
+    on CUDA, which cannot be forked): each rank's return value, or RankFailed naming the rank that crashed, died or
+    hung. Output the parent still buffers is flushed first, or a forked rank would write it out once more."""
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-    if opts.world < 2 or not math.isfinite(timeout_s):
-        raise ValueError(f"run_ranks needs world >= 2 and a finite timeout, got {opts.world} and {timeout_s}")
-    log(first_line(command, opts, gpu_links(range(opts.world)) if opts.device == "cuda" else None))
-    sys.stdout.flush()  # a forked rank would write out what the parent still buffers once more
+    sys.stdout.flush()
     sys.stderr.flush()
     try:
-        codes = parallel.spawn(_rank_main, opts.world, (command, opts), device=opts.device, timeout_s=timeout_s,
-                               start_method="fork" if opts.device == "cpu" else "spawn")
+        return parallel.spawn(fn, world, args, device=device, timeout_s=timeout_s,
+                              start_method="fork" if device == "cpu" else "spawn")
     except ProcessRaisedException as e:
         raise RankFailed(f"rank {e.error_index} crashed: {_last_line(e.msg)}", e.msg) from None
     except ProcessExitedException as e:
@@ -85,6 +83,14 @@ def run_ranks(command: str, opts: Options, timeout_s: float = DEFAULT_RANK_TIMEO
         raise RankFailed(f"rank {e.error_index} died ({how}) without a result") from None
     except TimeoutError as e:
         raise RankFailed(str(e)) from None
+
+
+def run_ranks(command: str, opts: Options, timeout_s: float = DEFAULT_RANK_TIMEOUT_S, log=print) -> int:
+    """Run `command` over `opts.world` ranks started here and return rank 0's exit code."""
+    if opts.world < 2 or not math.isfinite(timeout_s):
+        raise ValueError(f"run_ranks needs world >= 2 and a finite timeout, got {opts.world} and {timeout_s}")
+    log(first_line(command, opts, gpu_links(range(opts.world)) if opts.device == "cuda" else None))
+    codes = spawn_ranks(_rank_main, opts.world, (command, opts), opts.device, timeout_s)
     if len(set(codes)) > 1:
         print(f"warning: the ranks' exit codes differ ({', '.join(map(str, codes))}); the run's is rank 0's",
               file=sys.stderr)
