@@ -7,10 +7,10 @@ records, once every rank has finished the configuration. A rank that crashes, di
 
 The rooflines over N GPUs: a rank's work per token is its own share (decode: the replicated weights and the state
 whole, the top-k routed experts' rows split evenly, k/N a rank; prefill: the whole model's FLOPs, since every rank
-still computes every routed pair, the foreign ones weighted zero, docs/PARALLEL.md), and the ceiling is the sum of
-the ranks' measured rates over the sum of their work. The collective's share of a decode step comes from an A/B in
-the same run on the same ranks: the step timed as it is, then with the per-MoE-layer all_reduce skipped
-(`model.parallel.collective_skipped`).
+still computes every routed pair, the foreign ones weighted zero, docs/PARALLEL.md), and since the ranks step
+together the ceiling is the slowest rank's measured rate over its own work. The collective's share of a decode
+step comes from an A/B in the same run on the same ranks: the step timed as it is, then with the per-MoE-layer
+all_reduce skipped (`model.parallel.collective_skipped`).
 """
 from __future__ import annotations
 
@@ -26,15 +26,15 @@ from gates.ranks import DEFAULT_RANK_TIMEOUT_S, spawn_ranks  # noqa: F401 (the b
 from model.config import KimiConfig, get_config
 
 DECODE_DERIVATION = (
-    "over {world} ranks: roofline_tok_s = hbm_gbps / bytes_per_token, where hbm_gbps sums the read bandwidth each "
-    "rank measured (rank_hbm_gbps) and bytes_per_token sums the bytes each rank reads per token "
-    "(rank_bytes_per_token): the replicated weights and the per-sequence state whole, the top-k routed experts' "
-    "rows split evenly, k/{world} a rank (the ideal split)")
+    "over {world} ranks, which step together (an all_reduce in every MoE layer): roofline_tok_s is the slowest "
+    "rank's, min over ranks of rank_hbm_gbps / rank_bytes_per_token, each rank's measured read bandwidth over the "
+    "bytes it reads per token: the replicated weights and the per-sequence state whole, the top-k routed experts' "
+    "rows split evenly, k/{world} a rank (the ideal split). hbm_gbps and bytes_per_token are the sums over ranks")
 PREFILL_DERIVATION = (
-    "over {world} ranks: roofline_tok_s = matmul_tflops / flops_per_token, where matmul_tflops sums the bf16 "
-    "matmul rate each rank measured (rank_matmul_tflops) and flops_per_token sums each rank's FLOPs per token "
-    "(rank_flops_per_token): the whole model's, as every rank computes every routed pair (the foreign ones "
-    "weighted zero)")
+    "over {world} ranks, which step together: roofline_tok_s is the slowest rank's, min over ranks of "
+    "rank_matmul_tflops / rank_flops_per_token, each rank's measured bf16 matmul rate over its FLOPs per token: the "
+    "whole model's, as every rank computes every routed pair (the foreign ones weighted zero). matmul_tflops and "
+    "flops_per_token are the sums over ranks")
 COLLECTIVE_AB = (
     "A/B in this run on the same ranks: the decode step timed with its all_reduce per MoE layer, then as many steps "
     "with the collective skipped (model.parallel.collective_skipped, a graph captured without it); "
@@ -78,8 +78,8 @@ def rank_decode_bytes_per_token(cfg: KimiConfig, context: int, dtype: torch.dtyp
 
 def over_ranks(cfg: KimiConfig, T: int, dtype: torch.dtype, decode: bool, ceilings: list) -> tuple[float, dict]:
     """(roofline tok/s, the record's fields) of a configuration over len(ceilings) ranks, from each rank's measured
-    `roofline.Ceilings`: the sum of the rates over the sum of the ranks' work per token. The record's hbm_gbps and
-    matmul_tflops are the sums, each rank's under rank_*."""
+    `roofline.Ceilings`: the ranks step together, so the slowest rank's rate over its own work per token bounds
+    them all. The record keeps each rank's ceiling and work under rank_*, and their sums."""
     world = len(ceilings)
     gbps, tflops = [c.hbm_gbps for c in ceilings], [c.matmul_tflops for c in ceilings]
     fields = {"hbm_gbps": sum(gbps), "rank_hbm_gbps": gbps, "matmul_tflops": sum(tflops), "rank_matmul_tflops": tflops}
@@ -87,11 +87,11 @@ def over_ranks(cfg: KimiConfig, T: int, dtype: torch.dtype, decode: bool, ceilin
         work = [rank_decode_bytes_per_token(cfg, T, dtype, world)] * world
         fields.update(bytes_per_token=sum(work), rank_bytes_per_token=work,
                       roofline_derivation=DECODE_DERIVATION.format(world=world))
-        return sum(gbps) * roofline.GB / sum(work), fields
+        return min(g * roofline.GB / w for g, w in zip(gbps, work)), fields
     work = [roofline.prefill_flops_per_token(cfg, T)] * world
     fields.update(flops_per_token=sum(work), rank_flops_per_token=work,
                   roofline_derivation=PREFILL_DERIVATION.format(world=world))
-    return sum(tflops) * 1e12 / sum(work), fields
+    return min(t * 1e12 / w for t, w in zip(tflops, work)), fields
 
 
 def collective_share(with_ms: float, without_ms: list[float]) -> dict:

@@ -66,6 +66,7 @@ class Side:
     token: int
     topk_ids: list[int]
     topk_logprobs: list[float]
+    top_logit: float | None = None   # the chosen token's logit, where the generation kept it
 
     def logprob(self, token: int) -> float | None:
         return self.topk_logprobs[self.topk_ids.index(token)] if token in self.topk_ids else None
@@ -112,9 +113,14 @@ class Divergence:
         top = lambda s: ", ".join(f"{i} {lp:.4g}" for i, lp in zip(s.topk_ids[:NEAR_TIE_TOP], s.topk_logprobs))
         return (f"prompt {self.prompt} step {self.step}: {r.name} chose {r.token}, {t.name} chose {t.token}; "
                 f"margins {self.ref_margin} ({r.token} over {t.token}, {r.name}) and {self.test_margin} "
-                f"({t.token} over {r.token}, {t.name}); near-tie needs each token in the other's top-{NEAR_TIE_TOP} "
-                f"({yes(self.in_each_others_top)}) and both margins in [0, {self.eps:.3g}) ({yes(small)}) "
+                f"({t.token} over {r.token}, {t.name}){self._tops()}; near-tie needs each token in the other's "
+                f"top-{NEAR_TIE_TOP} ({yes(self.in_each_others_top)}) and both margins in [0, {self.eps:.3g}) "
+                f"({yes(small)}) "
                 f"-> {self.verdict}; top-{NEAR_TIE_TOP} log-probs {r.name}: {top(r)}; {t.name}: {top(t)}")
+
+    def _tops(self) -> str:
+        kept = [(s.name, s.top_logit) for s in (self.ref, self.test) if s.top_logit is not None]
+        return "; top logits " + ", ".join(f"{v:.6g} ({n})" for n, v in kept) if kept else ""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -265,8 +271,10 @@ def compare_prompt(prompt: int, ref, test, eps: float | Callable[[float | None],
     first = same.index(False) if not all(same) else None
     div = None
     if first is not None:
-        side = lambda name, g: Side(name, g.tokens[first], list(g.topk_ids[first]), list(g.topk_logprobs[first]))
-        tops = [g.top_logits[first] for g in (ref, test) if len(getattr(g, "top_logits", ())) > first]
+        top = lambda g: g.top_logits[first] if len(getattr(g, "top_logits", ())) > first else None
+        side = lambda name, g: Side(name, g.tokens[first], list(g.topk_ids[first]), list(g.topk_logprobs[first]),
+                                    top(g))
+        tops = [t for t in (top(ref), top(test)) if t is not None]
         at = eps(max(tops, key=abs) if tops else None) if callable(eps) else eps
         div = diagnose(prompt, first, side(ref_name, ref), side(test_name, test), at)
     diffs = []

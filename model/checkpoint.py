@@ -315,9 +315,9 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
     go to `device` one at a time (no host copy of the whole model); expert stacks and the q|k|v conv are
     preallocated on `device` and filled block by block.
 
-    `layout_of(cfg) -> (slots, internal shapes)` reads a part of the model (one rank's, `model.parallel`): every check
-    above still covers the whole checkpoint, but only the slots it names are read, and a shard holding none of them
-    is not opened.
+    `layout_of(cfg) -> (slots, internal shapes)` reads a part of the model (one rank's, `model.parallel`): the name,
+    shape and dtype checks still cover the whole checkpoint, but only the slots it names are read (and checked
+    finite), and a shard holding none of them is not opened.
     """
     path = Path(path)
     if not dtype.is_floating_point:
@@ -351,6 +351,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
                     print(f"load_checkpoint {path.name}: {len(loaded) / len(slots):.0%} ({len(loaded):,}/{len(slots):,} "
                           f"tensors) {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
                     next_report += 0.1
+    if len(loaded) != len(slots):   # every slot is in the checked index, so each must have been read once
+        raise CheckpointError(f"{path}: read {len(loaded)} of the {len(slots)} tensors to load")
     _refuse_nonfinite(path, weight_map, loaded, torch.stack(finite).cpu().tolist())
     return cfg, {n: out[n] for n in internal_shapes}
 

@@ -273,7 +273,8 @@ GATE_OPTIONS = dict(preset=TEXT, model=TEXT, dtype=TEXT, device=TEXT, new_tokens
 # the floor guard's fields (gates/run.py Guard.results)
 GUARD = dict(projected_bytes=INT, floor_bytes=INT, free_before_bytes=INT, min_free_bytes=INT, floor_decision=TEXT)
 # gates/compare.py: a divergence (Divergence.to_dict), the noise control (NoiseCheck), the per-prompt results
-SIDE_T = obj(name=TEXT, token=INT, topk_ids=ListOf(INT), topk_logprobs=NUMBERS)
+SIDE_T = obj(name=TEXT, token=INT, topk_ids=ListOf(INT), topk_logprobs=NUMBERS,
+             top_logit=NUMBER)  # the chosen token's logit, where the side kept it (the near-tie eps follows it)
 MARGIN_T = obj(nats=NUMBER, lower_bound=BOOL)
 DIAGNOSIS_T = obj(prompt=INT, step=INT, ref=SIDE_T, test=SIDE_T, ref_margin=MARGIN_T, test_margin=MARGIN_T,
                   in_each_others_top=BOOL, eps=NUMBER, verdict=TEXT, explanation=TEXT)

@@ -129,13 +129,15 @@ def test_compare_prompt_takes_the_epsilon_at_the_divergent_steps_top_logit(top, 
                                                                  list(range(20, 28))],
                        topk_logprobs=[[-0.1 * (i + 1) for i in range(10)], [-1.0, -1.0 - margin] +
                                       [-3.0 - i for i in range(8)]])
-        if top is not None:
-            g.top_logits = [top + 1.0, top]
+        if top is not None:   # the other side's top logit is smaller: the larger in magnitude sets eps
+            g.top_logits = [top + 1.0, top if first == 9 else top / 2]
         return g
     eps = lambda t: near_tie_eps(torch.bfloat16, t)
     r = compare_prompt(0, gen(5, 9, 0.0), gen(9, 5, test_margin), eps, "rec", "inc")
     assert r.first_divergence == 1 and r.verdict == verdict
     assert r.divergence.eps == near_tie_eps(torch.bfloat16, top)
+    assert r.divergence.test.top_logit == top and r.divergence.to_dict()["test"]["top_logit"] == top
+    assert ("top logits" in r.divergence.explain()) == (top is not None)
 
 
 def _gen(tokens, logits=None):
