@@ -17,6 +17,7 @@ Exit status of the command: 0 rendered, 2 could not run (no such records folder,
 from __future__ import annotations
 
 import argparse
+import functools
 import html
 import json
 import re
@@ -548,7 +549,9 @@ def gate_conditions(r: dict) -> str:
     """'48b-a3b float32, experts bf16': the model and the precision it ran at (gates/run.py: Gate A on CUDA runs
     in fp32 with the routed experts held in bf16)."""
     experts = GATE.params.expert_dtype.get(r)
-    return f"{r['preset']} {r['dtype']}" + (f", experts {experts}" if experts else "")
+    other = (r["preset"] == REFERENCE_LABEL and r.get("weights") not in (None, committed_reference_weights()))
+    return (f"{r['preset']} {r['dtype']}" + (f", experts {experts}" if experts else "")
+            + (f" (weights {r['weights']}, not the committed checkpoint's)" if other else ""))
 
 
 def gate_reference(r: dict) -> str:
@@ -612,6 +615,7 @@ REFERENCE_LABEL = "kimi-linear-ref"  # the suite's trained reference checkpoint 
 REFERENCE_PROVENANCE = store.REPO_ROOT / "checkpoints" / REFERENCE_LABEL / "provenance.json"
 
 
+@functools.cache
 def committed_reference_weights() -> str | None:
     """The weights id of the reference checkpoint in this checkout (its provenance.json), or None."""
     try:

@@ -581,3 +581,11 @@ def test_a_later_trial_retrain_is_not_drawn_over_the_committed_checkpoint(tmp_pa
     assert short(committed) in drawn(committed["weights"]) and short(trial) not in drawn(committed["weights"])
     assert short(trial) in drawn("sha256:none")
     assert render.committed_reference_weights() == json.loads(render.REFERENCE_PROVENANCE.read_text())["weights"]
+
+
+def test_gate_runs_of_other_reference_weights_are_marked():
+    base = {"kind": "gate_a", "preset": "kimi-linear-ref", "dtype": "bfloat16", "params": {}}
+    committed = render.committed_reference_weights()
+    assert render.gate_conditions({**base, "weights": committed}) == "kimi-linear-ref bfloat16"
+    assert "not the committed checkpoint's" in render.gate_conditions({**base, "weights": "sha256:0000"})
+    assert render.gate_conditions({**base, "preset": "tiny", "weights": "sha256:0000"}) == "tiny bfloat16"
