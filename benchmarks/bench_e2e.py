@@ -265,6 +265,8 @@ def ours_decode(s: Settings, model, ids: torch.Tensor, make_decoder, collective_
     if collective_ab:
         with parallel.collective_skipped():
             out["no_collective"] = run(make_decoder(cache), None)
+        # without the all_reduce each rank keeps its own experts' share, so the ranks' logits must now differ
+        out["no_collective_digest"] = float(state["logits"].double().sum())
     return out
 
 
@@ -564,12 +566,17 @@ class Bench:
             torch.cuda.reset_peak_memory_stats()
         res, err = attempt(fn, self.s.device, fatal=self.world > 1)
         ab = res.pop("no_collective", None) if res else None
+        ab_digest = res.pop("no_collective_digest", None) if res else None
         out = measured(res, err, T if phase == "prefill" else 1, who)
         if torch.device(self.s.device).type == "cuda":
             out.extra["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
         if self.world > 1 and who == "ours" and phase == "decode":
             medians = gather(summarize(ab.samples_ms)["median_ms"] if ab else None)
-            if out.samples and None not in medians:
+            digests = gather(ab_digest)
+            if out.samples and None not in medians and len(set(digests)) == 1:
+                out.reason, out.invalid = ("the collective A/B is void: with the all_reduce skipped the ranks' "
+                                           "logits still agree, so the skip did not take effect"), True
+            elif out.samples and None not in medians:
                 out.extra.update(ranks.collective_share(summarize(out.samples.samples_ms)["median_ms"], medians))
                 log(f"  all_reduce share of the decode step: {out.extra['collective_share']:.1%} (median "
                     f"{summarize(out.samples.samples_ms)['median_ms']:.3f} ms a step with it, "

@@ -3,6 +3,7 @@ tiny over gloo: one record per configuration, from rank 0 alone, with the world 
 all_reduce's share of the decode step; the benchmarked decode gives one process's logits; the hook that skips the
 collective for the A/B restores it; a rank that fails stops the run with exit 2, naming it, and leaves no record of
 what it did not finish; bad world sizes are refused."""
+import contextlib
 import time
 
 import pytest
@@ -74,6 +75,16 @@ def test_bench_over_two_ranks_records_world_2_from_rank_0_alone(records, capfd):
     assert dec["no_collective_median_ms"] == max(dec["rank_no_collective_median_ms"])
     assert dec["collective_ms"] == pytest.approx(dec["median_ms"] - dec["no_collective_median_ms"])
     assert "collective_share" not in pre
+
+
+def test_a_collective_ab_whose_skip_does_nothing_is_void(records, monkeypatch):
+    """Negative control: a skip that leaves the all_reduce in place keeps the ranks' logits equal, and the decode
+    record says the A/B is void instead of reporting a share."""
+    monkeypatch.setattr(parallel, "collective_skipped", contextlib.nullcontext)  # the forked ranks inherit it
+    bench_e2e.main([*ARGS, "--world", "2"])
+    [dec] = [r for r in load(kinds="bench", root=records).records if r["params"]["phase"] == "decode"]
+    assert dec["verdict"] == "INVALID" and any("collective A/B is void" in x for x in dec["reasons"])
+    assert "collective_share" not in dec["results"]
 
 
 def _benchmarked_decode(world: int) -> torch.Tensor:
