@@ -23,8 +23,8 @@ import torch
 
 NEAR_TIE_TOP = 5
 
-# Near-tie epsilon in nats, by the dtype the model under test computes in: it must cover the noise between two correct
-# paths (summation order, where activations are rounded) and nothing more.
+# Near-tie epsilon in nats, by the dtype the model under test computes in: a divergence whose margins lie under it is
+# one that rounding the final logits alone could decide. It labels a divergence; the gate fails either way.
 # - bf16, fp16: logits leave lm_head rounded to the dtype, so two top logits differ by a whole number of spacings, and
 #   two paths that round one true value differently land a spacing apart: one side's tie is the other's margin of one
 #   spacing. Epsilon is two spacings at the top logit's magnitude (0 and 1 spacing are near-ties, 2 and up are not),
