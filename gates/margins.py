@@ -4,7 +4,8 @@ distribution the golden's greedy token was chosen from.
     python -m gates.margins GOLDEN...
 
 A margin under the near-tie epsilon of a precision (`gates.compare.NEAR_TIE_EPS`: 2^-3 nats in bf16, 1e-4 in fp32
-and fp64) is a step where two correct implementations in that precision may choose different tokens; how many steps
+and fp64; a golden keeps no logits, so the gates' wider bf16 epsilon above a top logit of 16 is not applied here) is
+a step where two correct implementations in that precision may choose different tokens; how many steps
 of the battery lie under it says whether a model can agree with a golden token for token in that precision at all.
 Each golden is read and validated (`gates.golden.load_golden`) and gives one `margins` record: the margins per prompt
 and step, their median, minimum, maximum and exact ties, and the fraction under each epsilon. Every golden is read

@@ -81,7 +81,7 @@ def spawn_ranks(fn, world: int, args: tuple, device: str, timeout_s: float) -> l
     except ProcessExitedException as e:
         how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
         raise RankFailed(f"rank {e.error_index} died ({how}) without a result") from None
-    except TimeoutError as e:
+    except (TimeoutError, parallel.RanksWithoutResult) as e:
         raise RankFailed(str(e)) from None
 
 

@@ -245,6 +245,10 @@ def _rank_main(rank: int, fn, world: int, store: str, device: str, args: tuple, 
         destroy()
 
 
+class RanksWithoutResult(RuntimeError):
+    """Ranks of `spawn` that exited cleanly yet left no result."""
+
+
 def spawn(fn, world: int, args: tuple = (), device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
           start_method: str = "spawn") -> list:
     """Run fn(*args) in `world` new processes, the ranks 0..world-1 of one process group (`init` with `device`), and
@@ -288,5 +292,5 @@ def spawn(fn, world: int, args: tuple = (), device: str = "cpu", timeout_s: floa
         shutil.rmtree(tmp, ignore_errors=True)
     missing = sorted(set(range(world)) - set(got))
     if missing:
-        raise RuntimeError(f"ranks {missing} exited without a result")
+        raise RanksWithoutResult(f"ranks {missing} exited without a result")
     return [pickle.loads(got[r]) for r in range(world)]

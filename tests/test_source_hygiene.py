@@ -134,7 +134,8 @@ LAYERS = {"records": set(), "model": {"records"}, "gates": {"model", "records"},
 
 
 def suite_imports(src: str) -> list[tuple[int, str]]:
-    """(line, module) of every absolute import of one of the suite's packages in `src`."""
+    """(line, module) of every absolute import of one of the suite's packages in `src` (a relative import stays in
+    its own package, as the sources use them; `importlib` strings are not followed)."""
     out = []
     for node in ast.walk(ast.parse(src)):
         names = ([a.name for a in node.names] if isinstance(node, ast.Import)

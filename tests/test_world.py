@@ -370,3 +370,16 @@ def test_gpu_links_is_none_without_nvml():
     except Exception:
         pass
     assert gpu_links([0, 1]) is None
+
+
+def _exit_without_result():
+    import os
+    dist.barrier()   # every rank has joined the group: none leaves while another still connects
+    os._exit(0)
+
+
+def test_ranks_that_exit_without_a_result_are_a_rank_failure():
+    """A rank that exits cleanly but returns nothing is reported as RankFailed (exit 2 in the commands), not as a
+    bare RuntimeError."""
+    with pytest.raises(ranks_mod.RankFailed, match=r"ranks \[0, 1\] exited without a result"):
+        ranks_mod.spawn_ranks(_exit_without_result, 2, (), "cpu", 60.0)
