@@ -19,6 +19,7 @@ def records_dir(tmp_path, monkeypatch):
 
 # ---- moe_decode --------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # every MoE part and a sweep of six configs through Triton's interpreter (about 40 s)
 def test_moe_decode_bench_plumbing(records_dir, monkeypatch):
     """`--ops moe_decode [--moe-sweep]` on the CPU through Triton's interpreter, at small shapes with a fake
     clock: every part is compared with its PyTorch form and recorded VALID with its bandwidth; the sweep

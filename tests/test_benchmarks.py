@@ -604,6 +604,7 @@ def _git_head() -> str | None:
     return head.strip() if head else None
 
 
+@pytest.mark.slow  # the tiny model's prefill through the interpreter, once per arm and round (about 40 s)
 def test_ab_code_arm_runs_the_module_as_it_was_at_a_commit(records_dir, monkeypatch):
     """NAME=MODULE@REV: the arm's prefill calls the kernel module as it was at REV. At HEAD (a fresh clone's working
     tree) that is today's code: the defaults' bits, and the arm's calls counted; today's module is back after it."""
