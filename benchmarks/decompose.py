@@ -47,6 +47,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from benchmarks import bench_ab
 from benchmarks.categories import categorize, decompose
 from benchmarks.timing import log, summarize, sync, time_steps
+from records import store
 from records.exits import run_main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -203,13 +204,6 @@ def summarize_trace(events: list[dict], steps: int, mode: str, layers: int) -> t
             "n_kernels": d["n_kernels"], "top_kernels": top_kernels(events, steps, d["exclusive_us"])}, []
 
 
-def shown_path(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        return str(path)
-
-
 def describe(r: dict) -> str:
     shares = sorted(r["shares"].items(), key=lambda kv: -kv[1])
     return (f"{r['kernels_per_step']:.0f} kernels/step, {r['step_ms']:.3f} ms/step traced, "
@@ -325,7 +319,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 f"{bench_ab.config_module(a.variant[1])}: this trace is the defaults' (on a CPU the "
                                 f"model runs PyTorch's forms unless KIMI_KERNELS=triton under TRITON_INTERPRET=1)")
             results.update({"step_ms_unprofiled": summarize(out["unprofiled"].samples_ms)["median_ms"],
-                            "trace": shown_path(path), "trace_bytes": size,
+                            "trace": store.shown_path(path), "trace_bytes": size,
                             "events": "gpu kernels, memcpy, memset" if device_type == "cuda"
                             else "leaf cpu operators (no GPU)"})
         rec = make_record("decomposition", preset=a.preset, dtype=a.dtype, device=a.device,

@@ -59,6 +59,12 @@ def near_tie_eps(dtype: torch.dtype, top_logit: float | None = None) -> float:
     return max(base, SPACINGS * spacing(dtype, top_logit))
 
 
+def near_tie_eps_at(*dtypes: torch.dtype) -> Callable[[float | None], float]:
+    """The epsilon of the less precise of `dtypes` (a gate's own and its golden's) as a function of the divergent
+    step's top logit, as `compare_prompt` takes it."""
+    return lambda top: max(near_tie_eps(d, top) for d in dtypes)
+
+
 @dataclass(frozen=True)
 class Side:
     """One implementation's view of one step: its choice and its kept top-k (ids, log-probabilities)."""

@@ -28,7 +28,7 @@ import torch
 from model import ops
 from model.generate import generate_incremental, generate_recompute
 
-from .compare import GateResult, compare_prompt, eps_note, logit_bound, near_tie_eps, noise_check
+from .compare import GateResult, compare_prompt, eps_note, logit_bound, near_tie_eps_at, noise_check
 from .memory import MemoryFloorError
 from .run import (DEFAULT_TOPK, EXIT_FAIL, EXIT_PASS, GateRefused, Options, Subject, battery_for, context_len,
                   floor_guard, load_subject, record, refused)
@@ -64,8 +64,8 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
     `model.decode_step` on the incremental path (e.g. a negative control that drops the state carry).
     """
     b = battery_for(opts)
-    eps = near_tie_eps(opts.torch_dtype)
-    eps_at = lambda top: near_tie_eps(opts.torch_dtype, top)
+    eps_at = near_tie_eps_at(opts.torch_dtype)
+    eps = eps_at(None)
     t0 = time.perf_counter()
     try:
         with floor_guard(opts, context_len(b, opts.new_tokens), reader, log) as guard, ops.use(opts.kernels):

@@ -13,7 +13,7 @@ from model import ops
 from model.generate import generate_incremental
 from records import store
 
-from .compare import GateResult, compare_prompt, eps_note, near_tie_eps
+from .compare import GateResult, compare_prompt, eps_note, near_tie_eps_at
 from .golden import GoldenError, check_golden, expected_generations, find_golden, ids_md5, load_golden
 from .memory import MemoryFloorError
 from .run import (DEFAULT_TOPK, DTYPES, EXIT_FAIL, EXIT_PASS, GateRefused, Options, Subject, battery_for,
@@ -40,8 +40,8 @@ def run_gate_b(opts: Options, *, subject: Subject | None = None, reader=None, re
                        records_root=records_root, log=log)
 
     # the less precise side sets how close two logits must be to count as a tie
-    eps = max(near_tie_eps(opts.torch_dtype), near_tie_eps(DTYPES[g["dtype"]]))
-    eps_at = lambda top: max(near_tie_eps(opts.torch_dtype, top), near_tie_eps(DTYPES[g["dtype"]], top))
+    eps_at = near_tie_eps_at(opts.torch_dtype, DTYPES[g["dtype"]])
+    eps = eps_at(None)
     ref_name = f"golden[{g['provenance']['implementation']} {g['dtype']} {g['device']}]"
     prompts = [compare_prompt(i, ref, ours, eps_at, ref_name, "incremental")
                for i, (ref, ours) in enumerate(zip(expected_generations(g), gens))]
@@ -60,7 +60,7 @@ def run_gate_b(opts: Options, *, subject: Subject | None = None, reader=None, re
         "timings": {"load_s": subject.load_s, "generate_s": t_gen, "total_s": time.perf_counter() - t0},
         **guard.results(),
     }
-    params = {"golden_path": str(store.shown_path(path)), "golden_source": g["source"], "golden_dtype": g["dtype"],
+    params = {"golden_path": store.shown_path(path), "golden_source": g["source"], "golden_dtype": g["dtype"],
               "golden_device": g["device"], "golden_implementation": g["provenance"]["implementation"],
               "prompt_ids_source": b.source, "weights_source": subject.source}
     rec_path = record("gate_b", opts, subject.weights, params, results, records_root=records_root)

@@ -46,19 +46,11 @@ def summary(margins: list[list[float]]) -> dict:
             "fp32_eps": FP32_EPS, "frac_below_fp32_eps": below(FP32_EPS)}
 
 
-def shown_path(path: Path) -> str:
-    """`path` relative to the checkout where it lies inside it (no machine's path in a record), else as given."""
-    try:
-        return path.resolve().relative_to(store.REPO_ROOT).as_posix()
-    except ValueError:
-        return str(path)
-
-
 def margins_record(g: dict, path: Path) -> dict:
     """The `margins` record of golden `g` (validated), read from `path`."""
     prov = g["provenance"]
     margins = step_margins(g)
-    params = {"golden": shown_path(path), "golden_md5": g["md5"], "label": g.get("label") or g.get("preset"),
+    params = {"golden": store.shown_path(path), "golden_md5": g["md5"], "label": g.get("label") or g.get("preset"),
               "source": g["source"], "implementation": prov["implementation"], "golden_dtype": g["dtype"],
               "golden_device": g["device"], "device_name": prov["device_name"], "golden_time": prov["time"],
               "golden_commit": prov.get("git_commit"), "prompt_ids_source": g.get("prompt_ids_source"),

@@ -25,7 +25,6 @@ from pathlib import Path
 
 from model.checkpoint import PROMPTS_FILE
 from model.config import KimiConfig, parse_json, read_file
-
 from model.tokenizer import TOKENIZER_FILE, KimiTokenizer
 
 PROMPTS: tuple[str, ...] = (

@@ -684,7 +684,7 @@ def train_record(prov: dict, curve: list[dict], checkpoint: Path, source: str) -
              if isinstance(tok.get("base_tokens"), int) and isinstance(tok.get("specials"), int) else None)
     layers = model.get("layer_kinds")
     params = {
-        "label": Path(checkpoint).resolve().name, "checkpoint": shown_path(checkpoint), "command": prov.get("command"),
+        "label": Path(checkpoint).resolve().name, "checkpoint": store.shown_path(checkpoint), "command": prov.get("command"),
         "corpus": {k: corpus.get(k) for k in ("source", "python", "sha256", "train", "heldout", "heldout_rule",
                                                "max_bytes")}
                   | {"skipped_not_utf8": len(skipped) if isinstance(skipped, list) else None},
@@ -709,14 +709,6 @@ def train_record(prov: dict, curve: list[dict], checkpoint: Path, source: str) -
     return store.make_record(RECORD_KIND, preset=params["label"], dtype="bfloat16" if cuda else "float32",
                              device="cuda" if cuda else "cpu", weights=prov.get("weights"), params=params,
                              results=results)
-
-
-def shown_path(path: Path) -> str:
-    """`path` relative to the checkout where it lies inside it (no machine's path in a record), else as given."""
-    try:
-        return Path(path).resolve().relative_to(store.REPO_ROOT).as_posix()
-    except ValueError:
-        return str(path)
 
 
 def read_json_file(path: Path, folder: Path, cap: int):

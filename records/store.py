@@ -433,14 +433,14 @@ def _read_locked(path: Path) -> bytes:
         return f.read()
 
 
-def shown_path(path: str | Path) -> Path:
+def shown_path(path: str | Path) -> str:
     """`path` relative to the checkout where it lies inside it (what records and messages show: no machine's
     folders), else as given."""
     path = Path(path)
     try:
-        return path.resolve().relative_to(REPO_ROOT)
+        return path.resolve().relative_to(REPO_ROOT).as_posix()
     except (ValueError, OSError, RuntimeError):  # outside the checkout; a link loop
-        return path
+        return str(path)
 
 
 def get(record: dict, dotted: str, default=None):

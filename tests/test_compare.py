@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gates.compare import (NEAR_TIE_EPS, NOISE_FACTOR, Divergence, GateResult, Margin, Side, compare_prompt,
-                           diagnose, margin, near_tie_eps, noise_check, spacing)
+                           diagnose, margin, near_tie_eps, near_tie_eps_at, noise_check, spacing)
 from model.generate import Generation
 
 IDS = [1234, 877, 5, 6, 7, 8, 9, 10, 11, 12]
@@ -119,6 +119,10 @@ def test_bf16_epsilon_follows_the_top_logits_spacing():
     assert near_tie_eps(torch.bfloat16, 3.0) == near_tie_eps(torch.bfloat16) == 2.0 ** -3
     assert near_tie_eps(torch.float32, 30.0) == near_tie_eps(torch.float32) == 1e-4
     assert near_tie_eps(torch.bfloat16, float("nan")) == 2.0 ** -3
+    # a gate against a golden of another dtype takes the less precise one's
+    both = near_tie_eps_at(torch.float32, torch.bfloat16)
+    assert both(20.0) == 2.0 ** -2 and both(None) == 2.0 ** -3
+    assert near_tie_eps_at(torch.float32, torch.float64)(20.0) == 1e-4
 
 
 @pytest.mark.parametrize("top, test_margin, verdict", [(20.0, 0.125, "near-tie"), (20.0, 0.25, "real"),
