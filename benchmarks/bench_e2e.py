@@ -28,9 +28,9 @@ decode and an eager prefill of a short prompt are bound by the host's launch pat
 `--world N` splits the routed experts over N ranks that the command starts itself (benchmarks/ranks.py: gloo on a
 CPU, NCCL on CUDA with rank r on cuda:r): every rank runs every configuration in step, rank 0 prints and appends the
 records (params.world, experts_per_rank, on CUDA the GPUs and their links; impl `<impl>-ep<N>`). The peers are not
-run (HF holds the whole model in one process). The rooflines sum the ranks' measured ceilings over the sum of their
-work per token (`roofline_derivation`), and each decode record carries the all_reduce's share of the step, from an
-A/B in the same run (`collective_share`). An error in any rank stops the run (exit 2, naming the rank): a rank
+run (HF holds the whole model in one process). The ranks step together, so the roofline is the slowest rank's
+measured ceiling over its own work per token (`roofline_derivation`), and each decode record carries the
+all_reduce's share of the step, from an A/B in the same run (`collective_share`). An error in any rank stops the run (exit 2, naming the rank): a rank
 that went on alone would wait in the next collective.
 """
 from __future__ import annotations
@@ -231,12 +231,10 @@ def choose_decoder(s: Settings, model):
 
 
 @torch.no_grad()
-def ours_decode(s: Settings, model, ids: torch.Tensor, make_decoder, collective_ab: bool = False,
-                keep: list | None = None) -> dict:
+def ours_decode(s: Settings, model, ids: torch.Tensor, make_decoder, collective_ab: bool = False) -> dict:
     """Prefill `ids`, then warm-up and timed greedy steps of `make_decoder(cache)`. `collective_ab` (over several
     ranks): then as many steps again with the all_reduce of every MoE layer skipped (a decoder made inside
-    `model.parallel.collective_skipped`), timed into `no_collective`; their tokens are wrong and unused. `keep`:
-    a list that receives a copy of each step's logits (warm-up and timed, not the A/B's)."""
+    `model.parallel.collective_skipped`), timed into `no_collective`; their tokens are wrong and unused."""
     T = ids.shape[1]
     steps = s.warmup_steps + s.decode_tokens
     cache = model.new_cache(ids.shape[0], T + steps * (2 if collective_ab else 1) + 1)
@@ -248,23 +246,21 @@ def ours_decode(s: Settings, model, ids: torch.Tensor, make_decoder, collective_
     finite = [torch.isfinite(logits).all()]
     state = {"tok": logits.argmax(-1)}
 
-    def run(decode, keep):
+    def run(decode):
         def step():
             state["logits"] = decode(state["tok"], cache)
             state["tok"] = state["logits"].argmax(-1)
-            if keep is not None:
-                keep.append(state["logits"].clone())
 
         for _ in range(s.warmup_steps):
             step()
         return time_steps(step, s.decode_tokens, s.device)
 
-    samples = run(make_decoder(cache), keep)
+    samples = run(make_decoder(cache))
     finite.append(torch.isfinite(state["logits"]).all())
     out = {"samples": samples, "prefill_s": prefill_s, "finite": bool(torch.stack(finite).all())}
     if collective_ab:
         with parallel.collective_skipped():
-            out["no_collective"] = run(make_decoder(cache), None)
+            out["no_collective"] = run(make_decoder(cache))
         # without the all_reduce each rank keeps its own experts' share, so the ranks' logits must now differ
         out["no_collective_digest"] = float(state["logits"].double().sum())
     return out

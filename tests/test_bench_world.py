@@ -94,8 +94,13 @@ def _benchmarked_decode(world: int) -> torch.Tensor:
     loaded = load_model("tiny", ep=ep)
     bench = bench_e2e.Bench(s, loaded, bench_e2e.Plan(s), ep=ep)
     kept = []
-    bench_e2e.ours_decode(s, loaded.model, bench.prompt(16), bench.make_decoder, collective_ab=world > 1, keep=kept)
-    return torch.stack(kept)
+
+    def keeping(cache):   # the benchmark's decoder, each step's logits copied out
+        decode = bench.make_decoder(cache)
+        return lambda tok, cache: kept.append(decode(tok, cache).clone()) or kept[-1]
+
+    bench_e2e.ours_decode(s, loaded.model, bench.prompt(16), keeping, collective_ab=world > 1)
+    return torch.stack(kept[:s.warmup_steps + s.decode_tokens])   # the steps before the A/B's
 
 
 def test_the_benchmarked_decode_over_two_ranks_gives_one_process_logits():
