@@ -30,8 +30,8 @@ CPU, NCCL on CUDA with rank r on cuda:r): every rank runs every configuration in
 records (params.world, experts_per_rank, on CUDA the GPUs and their links; impl `<impl>-ep<N>`). The peers are not
 run (HF holds the whole model in one process). The ranks step together, so the roofline is the slowest rank's
 measured ceiling over its own work per token (`roofline_derivation`), and each decode record carries the
-all_reduce's share of the step, from an A/B in the same run (`collective_share`). An error in any rank stops the run (exit 2, naming the rank): a rank
-that went on alone would wait in the next collective.
+all_reduce's share of the step, from an A/B in the same run (`collective_share`). An error in any rank stops the
+run (exit 2, naming the rank): a rank that went on alone would wait in the next collective.
 """
 from __future__ import annotations
 
