@@ -296,6 +296,18 @@ def test_a_rank_reads_only_its_experts_from_a_checkpoint(single, tiny_checkpoint
             assert torch.equal(t, full[n][ep.start:ep.stop] if n.endswith(ROUTED_EXPERTS) else full[n]), n
 
 
+def test_a_layout_naming_a_tensor_the_checkpoint_lacks_is_refused(tiny_checkpoint):
+    """Negative control for the partial loader: a slot that no shard holds is never read, and the load says so
+    instead of returning the tensor as allocated."""
+    def with_a_ghost(cfg):
+        slots, shapes = ExpertParallel(2, 0, E).layout(cfg)
+        name, slot = next(iter(slots.items()))
+        return {**slots, name + ".ghost": slot}, shapes
+
+    with pytest.raises(checkpoint.CheckpointError, match=r"read \d+ of the \d+ tensors to load"):
+        checkpoint.load_checkpoint(tiny_checkpoint, dtype=torch.float32, layout_of=with_a_ghost)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_loads_only_its_experts_from_a_checkpoint(single, tiny_checkpoint, world):
     check_rank_state(single, world, fork(_state, world, str(tiny_checkpoint)))
