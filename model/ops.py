@@ -233,10 +233,16 @@ def moe_route_torch(logits, bias, k, scaling, renorm):
     """Reference routing from fp32 logits [N, E]."""
     scores = torch.sigmoid(logits)
     idx = torch.topk(scores + bias.float(), k, dim=-1, sorted=False).indices
+    return idx, route_weights(scores, idx, scaling, renorm)
+
+
+def route_weights(scores, idx, scaling, renorm):
+    """The weights of the chosen experts idx [N, k] from the unbiased sigmoid scores [N, E]: renormalised over the
+    chosen when `renorm`, times `scaling`."""
     w = scores.gather(-1, idx)
     if renorm:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return idx, w * scaling
+    return w * scaling
 
 
 def silu_mul(g, u):

@@ -380,6 +380,18 @@ DETECTION_RESULTS = obj(exit_code=INT, passed=BOOL, tokens_passed=BOOL, logits_p
                         max_abs_logit_diff=NUMBER, bound=NUMBER, floor=NUMBER, enforced=BOOL, summary=TEXT,
                         seconds=NUMBER)
 
+# ---- routing_noise: benchmarks/routing_noise.py, how much of a narrow dtype's logit noise the flipped expert
+# choices make ----------------------------------------------------------------------------------------------------
+
+ROUTING_NOISE_PARAMS = obj(model=TEXT, preset=TEXT, new_tokens=INT, prompts=INT, prompt_ids_source=TEXT,
+                           reference_dtype=TEXT, kernels=TEXT)
+_ROUTING_MEASURES = dict(max_abs_logit_diff_free=NUMBER, max_abs_logit_diff_pin=NUMBER,
+                         max_margin_change_free=NUMBER, max_margin_change_pin=NUMBER, agree_free=INT, agree_pin=INT)
+ROUTING_NOISE_RESULTS = obj(
+    prompts=ListOf(obj(steps=INT, decisions=INT, flips=INT, **_ROUTING_MEASURES)),
+    steps=INT, decisions=INT, flips=INT, flip_fraction=NUMBER, **_ROUTING_MEASURES,
+    gap_quantiles=MapOf(NUMBER), gap_threshold=NUMBER, frac_gap_below=NUMBER)
+
 # ---- nightly: reports/nightly.py; erratum: a later record voiding fields of an earlier one ------------------
 
 NIGHTLY_PARAMS = obj(steps=TEXTS, step_timeout_s=NUMBER, logs=TEXT)
@@ -494,10 +506,12 @@ ERRATUM = kind("erratum", ERRATUM_PARAMS, ERRATUM_RESULTS, ("params.record", "pa
 TRAIN = kind("train", TRAIN_PARAMS, TRAIN_RESULTS, ("results.curve", "results.evals", "results.heldout_bpb"))
 MARGINS = kind("margins", MARGINS_PARAMS, MARGINS_RESULTS, ("results.margins", "results.median",
                                                             "results.frac_below_bf16_eps"))
+ROUTING_NOISE = kind("routing_noise", ROUTING_NOISE_PARAMS, ROUTING_NOISE_RESULTS,
+                     ("results.flip_fraction", "results.max_abs_logit_diff_free", "results.max_abs_logit_diff_pin"))
 # What gate_a and gate_b records both carry (the gates section reads them alike); not a kind of its own
 GATE = Kind("gate", Field("params", Obj(GATE_OPTIONS), "gate"), Field("results", Obj(GATE_RESULTS), "gate"))
 KINDS: dict[str, Kind] = {k.name: k for k in (GATE_A, GATE_B, MEMORY, BENCH, KERNEL, DECOMPOSITION, DETECTION,
-                                              NIGHTLY, ERRATUM, TRAIN, MARGINS)}
+                                              NIGHTLY, ERRATUM, TRAIN, MARGINS, ROUTING_NOISE)}
 
 # What every record carries beside its kind's params and results; `RECORD.machine.gpu.get(r)`. The store checks
 # the top-level fields themselves (records.store.validate_record); git and machine are checked here.

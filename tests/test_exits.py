@@ -51,7 +51,7 @@ def test_run_main_lets_an_interrupt_through():
 
 @pytest.mark.parametrize("argv", [
     ["benchmarks.bench_e2e", "--quick"], ["benchmarks.decompose", "--quick"],
-    ["benchmarks.detection", "--clean", "1"], ["benchmarks.kernels"],
+    ["benchmarks.detection", "--clean", "1"], ["benchmarks.kernels"], ["benchmarks.routing_noise", "--preset", "tiny"],
 ])
 def test_a_benchmark_whose_records_cannot_be_written_exits_2_before_measuring(tmp_path, argv):
     """They measured for minutes, then died on the record with a traceback and exit 1 (a failed gate's code)."""
