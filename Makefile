@@ -17,7 +17,8 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 export PYTHONUNBUFFERED := 1
 
 # Gate/benchmark knobs (empty = the CLI's own default: the gates on a CPU gate the reference checkpoint, on a GPU
-# 48b-a3b over as few GPUs as hold it, else they refuse; the benchmarks run tiny on a CPU, 48b-a3b on a GPU).
+# 48b-a3b over as few GPUs as hold it, else they refuse; the benchmarks run 48b-a3b on a GPU and need one, except
+# QUICK=1: the smoke run on the tiny preset, on a CPU).
 PRESET ?=
 MODEL ?=
 DTYPE ?=
@@ -29,6 +30,7 @@ SOURCE ?= hf
 GOLDEN ?=
 SEED ?=
 KERNELS ?=
+QUICK ?=
 GATE_FLAGS = $(if $(PRESET),--preset $(PRESET)) $(if $(MODEL),--model $(MODEL)) $(if $(DTYPE),--dtype $(DTYPE)) \
   $(if $(EXPERT_DTYPE),--expert-dtype $(EXPERT_DTYPE)) \
   $(if $(DEVICE),--device $(DEVICE)) $(if $(NEW_TOKENS),--new-tokens $(NEW_TOKENS)) \
@@ -76,13 +78,15 @@ golden: $(SETUP)
 	$(PY) -m gates golden $(GATE_FLAGS) --source $(SOURCE) $(if $(GOLDEN),--golden $(GOLDEN))
 
 bench: $(SETUP)
-	$(PY) -m benchmarks.bench_e2e $(if $(PRESET),--preset $(PRESET)) $(if $(WORLD),--world $(WORLD))
+	$(PY) -m benchmarks.bench_e2e $(if $(QUICK),--quick) $(if $(PRESET),--preset $(PRESET)) \
+	  $(if $(DEVICE),--device $(DEVICE)) $(if $(WORLD),--world $(WORLD))
 
 bench-kernels: $(SETUP)
 	$(PY) -m benchmarks.kernels
 
 decompose: $(SETUP)
-	$(PY) -m benchmarks.decompose $(if $(PRESET),--preset $(PRESET))
+	$(PY) -m benchmarks.decompose $(if $(QUICK),--quick) $(if $(PRESET),--preset $(PRESET)) \
+	  $(if $(DEVICE),--device $(DEVICE))
 
 report: $(SETUP)
 	$(PY) -m reports.render

@@ -766,7 +766,8 @@ def settings(argv: list[str] | None = None) -> Settings:
     a = ap.parse_args(argv)
     base = Settings(**QUICK) if a.quick else Settings()
     if a.device is None and not a.quick and not torch.cuda.is_available():
-        ap.error("no CUDA device here: use --quick for the CPU smoke run, or --device cpu with a small --preset")
+        ap.error("no CUDA device here: use --quick (make bench QUICK=1) for the CPU smoke run, or --device cpu with a "
+                 "small --preset")
     given = {k: v for k, v in vars(a).items() if v is not None and k != "quick" and v is not False}
     s = replace(base, **given)
     if s.device.startswith("cuda") and not torch.cuda.is_available():

@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.steps < 1 or a.context < 1:
         ap.error("--steps and --context must be >= 1")
     if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
-        ap.error("no CUDA device here: use --quick for the CPU smoke run")
+        ap.error("no CUDA device here: use --quick (make decompose QUICK=1) for the CPU smoke run")
     device_type = torch.device(a.device).type
 
     if a.variant:
