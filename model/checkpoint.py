@@ -178,10 +178,24 @@ def _name(n: str, limit: int = 120) -> str:
     return n if len(n) <= limit and n.isprintable() else repr(n[:limit]) + ("..." if len(n) > limit else "")
 
 
-def _listing(names, limit: int = 10) -> str:
+def _listing(names, limit: int = 10, bracket: bool = True) -> str:
+    """The first `limit` names, then how many more: "a, b (and 3 more)", or without the brackets "a, b and 3 more"
+    (for a listing that is itself in brackets)."""
     names = list(names)
     head = ", ".join(_name(n) for n in names[:limit])
-    return head if len(names) <= limit else f"{head} (and {len(names) - limit:,} more)"
+    if len(names) <= limit:
+        return head
+    more = f"and {len(names) - limit:,} more"
+    return f"{head} ({more})" if bracket else f"{head} {more}"
+
+
+def _count(n: int, noun: str) -> str:
+    """A count with its noun in the right number: '1 tensor', '2 tensors', '20,493 tensors'."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _them(n: int) -> str:
+    return "it" if n == 1 else "them"
 
 
 def _check_names(got, expected, what: str) -> None:
@@ -190,9 +204,9 @@ def _check_names(got, expected, what: str) -> None:
     extra = sorted(got - set(expected))
     problems = []
     if missing:
-        problems.append(f"{len(missing):,} tensors missing: {_listing(missing)}")
+        problems.append(f"{_count(len(missing), 'tensor')} missing: {_listing(missing)}")
     if extra:
-        problems.append(f"{len(extra):,} unexpected tensors: {_listing(extra)}")
+        problems.append(f"{_count(len(extra), 'unexpected tensor')}: {_listing(extra)}")
     if problems:
         raise CheckpointError(f"{what}: " + "; ".join(problems))
 
@@ -201,7 +215,7 @@ def _check_shapes(tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tupl
     bad = [f"{n}: expected shape {list(shapes[n][0])}, got {list(t.shape)}"
            for n, t in tensors.items() if tuple(t.shape) != tuple(shapes[n][0])]
     if bad:
-        raise CheckpointError(f"{what}: {len(bad)} tensors with the wrong shape: " + "; ".join(bad[:10]))
+        raise CheckpointError(f"{what}: {_count(len(bad), 'tensor')} with the wrong shape: " + "; ".join(bad[:10]))
 
 
 def to_internal(original: Mapping[str, torch.Tensor], cfg: KimiConfig) -> dict[str, torch.Tensor]:
@@ -271,30 +285,34 @@ def _check_shards(path: Path, by_shard: dict[str, list[str]], slots: dict[str, S
     Reads headers only, so a bad checkpoint fails before any weight is loaded."""
     absent = [s for s in by_shard if not os.path.lexists(path / s)]
     if absent:
-        raise CheckpointError("missing shard file(s) in {}: {}".format(path, "; ".join(
-            f"{s} (should hold {len(by_shard[s]):,} tensors: {_listing(by_shard[s])})" for s in absent)))
+        # A few names, not all: the 48B model's shards hold ~1,000 tensors each, and the message is one stderr line.
+        shown = [f"{_name(s)} (should hold {_count(len(by_shard[s]), 'tensor')}"
+                 + (f": {_listing(by_shard[s], 2, bracket=False)})" if k == 0 else ")")
+                 for k, s in enumerate(absent[:3])]
+        more = f"; and {_count(len(absent) - 3, 'more shard')}" if len(absent) > 3 else ""
+        raise CheckpointError(f"missing shard file(s) in {path}: " + "; ".join(shown) + more)
     bad = []
     for shard, names in by_shard.items():
         with _open(path / shard, "cpu") as f:
             held = set(f.keys())
             lacking = [n for n in names if n not in held]
             if lacking:
-                raise CheckpointError(f"{INDEX_FILE} maps {len(lacking):,} tensors to {shard}, which does not hold them: "
-                                      f"{_listing(lacking)}")
+                raise CheckpointError(f"{INDEX_FILE} maps {_count(len(lacking), 'tensor')} to {_name(shard)}, which "
+                                      f"does not hold {_them(len(lacking))}: {_listing(lacking)}")
             unlisted = sorted(held - set(names))
             if indexed and unlisted:
-                raise CheckpointError(f"{shard} holds {len(unlisted):,} tensors that {INDEX_FILE} does not list: "
-                                      f"{_listing(unlisted)}")
+                raise CheckpointError(f"{_name(shard)} holds {_count(len(unlisted), 'tensor')} that {INDEX_FILE} does "
+                                      f"not list: {_listing(unlisted)}")
             for n in names:
                 sl, want = f.get_slice(n), slots[n]
                 shape, dt = tuple(sl.get_shape()), sl.get_dtype()
-                if shape != want.shape:
-                    bad.append(f"{n} ({shard}): expected shape {list(want.shape)}, got {list(shape)}")
-                if dt != _ST_NAMES[want.dtype]:
-                    bad.append(f"{n} ({shard}): expected dtype {_ST_NAMES[want.dtype]}, got {dt}")
+                wrong = ([f"expected shape {list(want.shape)}, got {list(shape)}"] if shape != want.shape else []) \
+                    + ([f"expected dtype {_ST_NAMES[want.dtype]}, got {dt}"] if dt != _ST_NAMES[want.dtype] else [])
+                if wrong:   # one entry per tensor, so that the count is of tensors
+                    bad.append(f"{n} ({shard}): {', '.join(wrong)}")
     if bad:
-        raise CheckpointError(f"{len(bad)} tensors with the wrong shape or dtype in {path}: {'; '.join(bad[:10])}"
-                              + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else ""))
+        raise CheckpointError(f"{_count(len(bad), 'tensor')} with the wrong shape or dtype in {path}: "
+                              f"{'; '.join(bad[:10])}" + (f" (and {len(bad) - 10:,} more)" if len(bad) > 10 else ""))
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
@@ -382,7 +400,7 @@ def _headers(path: Path) -> tuple[KimiConfig, tuple, dict[str, str], dict[str, l
     shapes = layout(cfg)
     slots = shapes[0]
     weight_map = _weight_map(path)
-    _check_names(weight_map, slots, f"checkpoint {path}")
+    _check_listed(path, weight_map, slots)
     by_shard: dict[str, list[str]] = {}
     for n in slots:
         by_shard.setdefault(weight_map[n], []).append(n)
@@ -391,10 +409,65 @@ def _headers(path: Path) -> tuple[KimiConfig, tuple, dict[str, str], dict[str, l
     return cfg, shapes, weight_map, by_shard
 
 
+def _held_by(path: Path, shards, names: set[str]) -> dict[str, str]:
+    """name -> the first of `shards` (in name order) whose header lists it, for each of `names` some shard holds.
+    Reads headers only; a shard that is absent or unreadable is skipped, as the shard checks name it."""
+    held: dict[str, str] = {}
+    for shard in sorted(shards):
+        if len(held) == len(names):
+            break
+        if not os.path.lexists(path / shard):
+            continue
+        try:
+            with _open(path / shard, "cpu") as f:
+                for n in f.keys():
+                    if n in names:
+                        held.setdefault(n, shard)
+        except CheckpointError:
+            continue
+    return held
+
+
+def _check_listed(path: Path, weight_map: dict[str, str], slots: dict[str, Slot]) -> None:
+    """The weight map (the index, or the single file's names) lists exactly the config's tensors. A tensor it lacks
+    that a shard it names holds is reported as the index's omission, with that shard; one no shard holds is missing;
+    an unexpected one is named with its shard, and whether the shard holds it."""
+    missing = [n for n in slots if n not in weight_map]
+    extra = sorted(n for n in weight_map if n not in slots)
+    if not missing and not extra:
+        return
+    held = _held_by(path, set(weight_map.values()), set(missing) | set(extra))
+    problems = []
+    for shard, names in _by_shard((n, held[n]) for n in missing if n in held).items():
+        problems.append(f"{_name(shard)} holds {_count(len(names), 'tensor')} that {INDEX_FILE} does not list: "
+                        f"{_listing(names)}")
+    nowhere = [n for n in missing if n not in held]
+    if nowhere:
+        problems.append(f"{_count(len(nowhere), 'tensor')} missing: {_listing(nowhere)}")
+    for shard, names in _by_shard((n, weight_map[n]) for n in extra).items():
+        inside = [n for n in names if held.get(n) == shard]
+        outside = [n for n in names if held.get(n) != shard]
+        if inside:
+            problems.append(f"{_name(shard)} holds {_count(len(inside), 'unexpected tensor')}: {_listing(inside)}")
+        if outside:
+            problems.append(f"{INDEX_FILE} maps {_count(len(outside), 'unexpected tensor')} to {_name(shard)}, which "
+                            f"does not hold {_them(len(outside))}: {_listing(outside)}")
+    raise CheckpointError(f"checkpoint {path}: " + "; ".join(problems))
+
+
+def _by_shard(pairs) -> dict[str, list[str]]:
+    """(name, shard) pairs -> shard -> names, shards in name order, names in the order given."""
+    out: dict[str, list[str]] = {}
+    for n, shard in pairs:
+        out.setdefault(shard, []).append(n)
+    return dict(sorted(out.items()))
+
+
 def _refuse_nonfinite(path: Path, weight_map: dict[str, str], names: list[str], finite: list[bool]) -> None:
     bad = [f"{n} ({weight_map[n]})" for n, good in zip(names, finite) if not good]
     if bad:
-        raise CheckpointError(f"{len(bad):,} tensors hold NaN or inf in {path}: {_listing(bad)}")
+        raise CheckpointError(f"{_count(len(bad), 'tensor')} {'holds' if len(bad) == 1 else 'hold'} NaN or inf in "
+                              f"{path}: {_listing(bad)}")
 
 
 # ---- saving ------------------------------------------------------------------------------------------------

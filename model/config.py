@@ -35,6 +35,10 @@ MAX_PARAMS = 2 * 10**11
 MAX_TENSORS = 1 << 18
 MAX_MODEL_MAX_LENGTH = 1 << 40  # a context length; read and written back, used by nothing here
 MAX_CONFIG_BYTES = 1 << 20  # the real config.json is ~3 KB
+# The dtype names config.json may give in `torch_dtype` (or `dtype`, HF's newer key), spelled as HF writes them: those
+# a safetensors checkpoint of this format can declare. A known name is not held against the shards, whose stored
+# dtypes the loader checks tensor by tensor; an unknown one is a broken file.
+CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32")
 
 # The JSON types config.json's fields must have (where present): a string where a number belongs, or a null, is
 # refused by name here rather than failing later inside float() or a comparison.
@@ -392,10 +396,11 @@ class KimiConfig:
             raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
         mt = d.get("model_type")
         if mt != "kimi_linear":
-            raise ConfigError(f"config.json model_type is {_quote(mt)}, expected 'kimi_linear'")
+            raise ConfigError(f"config.model_type is {_quote(mt)}, expected 'kimi_linear'")
         lac = d.get("linear_attn_config")
         if not isinstance(lac, dict):
-            raise ConfigError("config.json lacks linear_attn_config (an object with kda_layers, full_attn_layers, head_dim, num_heads)")
+            raise ConfigError(f"config.linear_attn_config must be an object with kda_layers, full_attn_layers, "
+                              f"head_dim, num_heads, got {'nothing' if 'linear_attn_config' not in d else _show(lac)}")
         for k in ("kda_layers", "full_attn_layers"):
             if not isinstance(lac.get(k), list):
                 raise ConfigError(f"linear_attn_config.{k} must be a list of 1-based layer numbers")
@@ -411,7 +416,11 @@ class KimiConfig:
                     "moe_intermediate_size", "intermediate_size")
         missing = [k for k in required if k not in d]
         if missing:
-            raise ConfigError(f"config.json lacks required fields: {', '.join(missing)}")
+            raise ConfigError(f"required field{'s' if len(missing) > 1 else ''} missing: {', '.join(missing)}")
+        for k in ("torch_dtype", "dtype"):  # null: no dtype declared
+            if d.get(k) is not None and not (isinstance(d[k], str) and d[k] in CHECKPOINT_DTYPES):
+                raise ConfigError(f"config.{k} is {_quote(d[k])}, not a dtype a safetensors checkpoint of this format "
+                                  f"declares; expected one of {', '.join(map(repr, CHECKPOINT_DTYPES))}")
         _check_types(d, lac)
         eos = d.get("eos_token_id", 163586)
         if isinstance(eos, list):
