@@ -27,13 +27,13 @@ from model.checkpoint import check_checkpoint
 from model.config import PRESETS
 from records import store
 
-from .golden import GOLDEN_DIR, check_golden_writable, golden_name, make_golden, write_golden
+from .golden import GOLDEN_DIR, check_golden_file, check_golden_writable, golden_name, make_golden, write_golden
 from .memory import MemoryFloorError
 from .prompts import DEFAULT_NEW_TOKENS
 from .ranks import DEFAULT_RANK_TIMEOUT_S, RankFailed, check_rank_timeout, first_line, run_ranks
 from .run import (DEFAULT_FLOOR_GIB, DEVICES, DTYPES, EXIT_PASS, EXIT_REFUSED, KERNELS, RECORD_KINDS, SOURCES,
                   GateRefused, Options, battery_for, context_len, floor_guard, limit_cpu_threads, load_subject,
-                  refused, resolve)
+                  prompt_note, refused, resolve)
 
 COMMANDS = {
     "gate-a": "Gate A: incremental decode must give exactly the recompute path's tokens",
@@ -105,7 +105,7 @@ def golden_command(opts: Options) -> int:
             check_no_outside_links(opts.model)
         g = make_golden(opts, None if hf_alone else load_subject(opts))
     out = write_golden(g, path)
-    print(f"golden {out}: {len(g['prompts'])} prompts x {g['new_tokens']} tokens, md5 {g['md5']}, "
+    print(f"golden {store.shown_path(out)}: {len(g['prompts'])} prompts x {g['new_tokens']} tokens, md5 {g['md5']}, "
           f"{g['provenance']['implementation']} {g['dtype']} {g['device']}, weights {g['weights']}")
     return EXIT_PASS
 
@@ -153,8 +153,13 @@ def main(argv: list[str] | None = None) -> int:
                        expert_dtype=args.expert_dtype, exact=exact_precision(args.command, source),
                        world=getattr(args, "world", 1),
                        log=lambda line: None)  # a default world is said in the ranks' first line and recorded
+        if args.command == "gate-b" and opts.golden is not None:
+            check_golden_file(opts.golden)   # a mistyped path is an option error: refused before any record
+        note = prompt_note(opts)
         if kind is not None:
             store.ensure_writable(kind)   # a run whose record cannot be kept is refused before it starts
+        if note:
+            print(note)
         limit_cpu_threads(opts)
         if opts.world > 1 and not (args.command == "gate-memory" and opts.device == "cpu"):
             return run_ranks(args.command, opts, timeout_s)

@@ -31,7 +31,7 @@ from model.generate import generate_incremental, generate_recompute
 from .compare import GateResult, compare_prompt, eps_note, logit_bound, near_tie_eps_at, noise_check
 from .memory import MemoryFloorError
 from .run import (DEFAULT_TOPK, EXIT_FAIL, EXIT_PASS, GateRefused, Options, Subject, battery_for, context_len,
-                  floor_guard, load_subject, record, refused)
+                  floor_guard, load_subject, record, refused, shown_record)
 
 
 def control_kernels(opts: Options, device: torch.device) -> str | None:
@@ -120,5 +120,5 @@ def run_gate_a(opts: Options, *, subject: Subject | None = None, decode: Callabl
     params = {"prompt_ids_source": b.source, "prompts": len(b.ids), "weights_source": subject.source,
               "decode": inc.decoder}
     path = record("gate_a", opts, subject.weights, params, results, records_root=records_root)
-    log(f"{result.summary()} [{results['timings']['total_s']:.1f} s; record {path}]")
+    log(f"{result.summary()} [{results['timings']['total_s']:.1f} s; record {shown_record(path)}]")
     return EXIT_PASS if result.passed else EXIT_FAIL

@@ -17,7 +17,7 @@ from .compare import GateResult, compare_prompt, eps_note, near_tie_eps_at
 from .golden import GoldenError, check_golden, expected_generations, find_golden, ids_md5, load_golden
 from .memory import MemoryFloorError
 from .run import (DEFAULT_TOPK, DTYPES, EXIT_FAIL, EXIT_PASS, GateRefused, Options, Subject, battery_for,
-                  context_len, floor_guard, load_subject, record, refused)
+                  context_len, floor_guard, load_subject, record, refused, shown_record)
 
 
 def run_gate_b(opts: Options, *, subject: Subject | None = None, reader=None, records_root=None, log=print) -> int:
@@ -27,10 +27,10 @@ def run_gate_b(opts: Options, *, subject: Subject | None = None, reader=None, re
     try:
         path = find_golden(opts)
         g = load_golden(path)
-        check_golden(g, path, None, b.ids, opts.new_tokens)
+        check_golden(g, path, None, b.ids, opts.new_tokens, label=opts.label, prompt_source=b.source)
         with floor_guard(opts, context_len(b, opts.new_tokens), reader, log) as guard, ops.use(opts.kernels):
             subject = subject or load_subject(opts)
-            check_golden(g, path, subject.weights, None, None)
+            check_golden(g, path, subject.weights, None, None, label=opts.label)
             t = time.perf_counter()
             gens = [generate_incremental(subject.model, p["ids"], g["new_tokens"], DEFAULT_TOPK,
                                          step_hook=guard.step_hook()) for p in g["prompts"]]
@@ -66,5 +66,6 @@ def run_gate_b(opts: Options, *, subject: Subject | None = None, reader=None, re
     rec_path = record("gate_b", opts, subject.weights, params, results, records_root=records_root)
     # the verdict is printed only once its record is kept: an unwritable records file exits 2 with no verdict shown
     log(f"md5 ours {md5} golden {g['md5']}: {'equal' if passed else 'DIFFERENT'}")
-    log(f"{result.summary()}, md5 {'equal' if passed else 'differs'} [{results['timings']['total_s']:.1f} s; record {rec_path}]")
+    log(f"{result.summary()}, md5 {'equal' if passed else 'differs'} [{results['timings']['total_s']:.1f} s; "
+        f"record {shown_record(rec_path)}]")
     return EXIT_PASS if passed else EXIT_FAIL

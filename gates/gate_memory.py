@@ -34,7 +34,7 @@ from model.generate import generate_incremental, generate_recompute
 
 from .memory import FloorSampler, MemoryFloorError, MemReading, audit, check_floor, project_peak
 from .run import (EXIT_FAIL, EXIT_PASS, EXIT_REFUSED, Options, battery_for, check_every_rank, context_len,
-                  cuda_reader, gather, group_rank, group_size, load_subject, record, to_stderr)
+                  cuda_reader, gather, group_rank, group_size, load_subject, record, shown_record, to_stderr)
 
 
 def run_memory_gate(opts: Options, *, reader: Callable[[], MemReading | None] | None = None, records_root=None,
@@ -59,7 +59,7 @@ def run_memory_gate(opts: Options, *, reader: Callable[[], MemReading | None] | 
                       {**results, "decision": decision, "passed": passed}, reasons=[reason], records_root=records_root)
         said = "" if decision[:4] == verdict.lower()[:4] else f" ({decision})"     # not "SKIP (skipped)"
         say = to_stderr if code == EXIT_REFUSED and log is print else log
-        say(f"Memory gate {verdict}{said}: {reason} [record {path}]")
+        say(f"Memory gate {verdict}{said}: {reason} [record {shown_record(path)}]")
         return code
 
     many = group_size() > 1

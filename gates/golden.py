@@ -27,7 +27,7 @@ import json
 import os
 import math
 import re
-import stat
+import shlex
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -40,9 +40,10 @@ from model.checkpoint import save_checkpoint
 from model.config import parse_json, read_file
 from model.generate import Generation, generate_recompute
 from model.weights import synthetic_weights, weights_id
-from records.store import provenance
+from records.store import provenance, shown_path
 
 from .compare import NEAR_TIE_TOP
+from .prompts import DEFAULT_NEW_TOKENS
 from .run import DEFAULT_TOPK, DEVICES, DTYPES, MAX_NEW_TOKENS, SOURCES, Options, Subject, battery_for
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "goldens"
@@ -72,22 +73,57 @@ def _is_greedy(token: int, topk_ids: list[int], topk_logprobs: list[float]) -> b
     return token == topk_ids[0] or (token in topk_ids and topk_logprobs[topk_ids.index(token)] == topk_logprobs[0])
 
 
+def check_golden_file(path: str | Path) -> Path:
+    """The golden file `--golden` names, or GoldenError saying why it is none: missing, a directory, not a regular
+    file. The command line checks it before a run starts, so a mistyped path is refused without a record."""
+    if not str(path):
+        raise GoldenError("--golden is empty; name a golden file, or leave it out to look one up in gates/goldens")
+    p = Path(path)
+    shown = shown_path(p)
+    try:
+        if p.is_dir():
+            raise GoldenError(f"--golden {shown}: is a directory, not a golden file")
+        if not p.exists():
+            raise GoldenError(f"--golden {shown}: no such file")
+        if not p.is_file():
+            raise GoldenError(f"--golden {shown}: not a regular file")
+    except OSError as e:
+        raise GoldenError(f"--golden {shown[:200]}: {e.strerror or e}") from None
+    return p
+
+
+def golden_hint(opts: Options) -> str:
+    """The make command that writes the golden the lookup finds for these options, in the committed goldens' naming:
+    on a CPU the fp64 HF golden (it judges every dtype's run of the same weights); on CUDA the HF golden in bf16,
+    else our recompute path's at the run's precision (HF holds one dtype)."""
+    what = ([f"MODEL={shlex.quote(shown_path(opts.model))}"] if opts.model else
+            [f"PRESET={opts.preset}"] + ([f"SEED={opts.seed}"] if opts.seed else []))
+    if opts.device == "cpu":
+        dtype, source, flags = "fp64", "hf", ["DTYPE=fp64"]
+    elif opts.dtype == "bf16" and opts.expert_dtype is None:
+        dtype, source, flags = "bf16", "hf", ["DTYPE=bf16"]
+    else:  # Gate B's CUDA default (fp32, experts bf16) is the golden command's default for SOURCE=self
+        dtype, source, flags = opts.dtype, "self", ["SOURCE=self"]
+        if (opts.dtype, opts.expert_dtype) != ("fp32", "bf16"):
+            flags += [f"DTYPE={opts.dtype}"] + ([f"EXPERT_DTYPE={opts.expert_dtype}"] if opts.expert_dtype else [])
+    flags.append(f"DEVICE={opts.device}")
+    if opts.new_tokens != DEFAULT_NEW_TOKENS:
+        flags.append(f"NEW_TOKENS={opts.new_tokens}")
+    out = shown_path(GOLDEN_DIR / golden_name(opts.label, dtype, opts.device, source))
+    return f"make golden {' '.join(what + flags)} (writes {out})"
+
+
 def find_golden(opts: Options, directory: Path = GOLDEN_DIR) -> Path:
     """`opts.golden` if given, else the lookup rule of the module docstring."""
-    if opts.golden:
-        p = Path(opts.golden)
-        if not p.is_file():
-            raise GoldenError(f"--golden {p}: no such file")
-        return p
+    if opts.golden is not None:
+        return check_golden_file(opts.golden)
     tried = [golden_name(opts.label, opts.dtype, opts.device, s) for s in ("hf", "self")]
     tried.append(golden_name(opts.label, "fp64", "cpu", "hf"))
     for name in tried:
         if (directory / name).is_file():
             return directory / name
-    raise GoldenError(f"no golden for {opts.label} {opts.dtype} {opts.device} in {directory} (tried {', '.join(tried)}); "
-                      f"make one with: python -m gates golden --source hf " +
-                      (f"--model {opts.model}" if opts.model else f"--preset {opts.preset}") +
-                      f" --dtype {opts.dtype} --device {opts.device}")
+    raise GoldenError(f"no golden for {opts.label} {opts.dtype} {opts.device} in {shown_path(directory)} (tried "
+                      f"{', '.join(tried)}); make one with: {golden_hint(opts)}")
 
 
 # ---- reading and checking ------------------------------------------------------------------------
@@ -110,7 +146,12 @@ def _read_json(path: Path) -> object:
     """The file's JSON value, read and parsed as strictly as a checkpoint's config (`model.config.read_file` and
     `parse_json`: a regular file under the size cap, UTF-8, no NaN, no repeated key, no runaway nesting or
     integer), or GoldenError naming the file."""
-    return parse_json(path, read_file(path, MAX_GOLDEN_BYTES, GoldenError), GoldenError)
+    shown = shown_path(path)
+    try:
+        data = read_file(path, MAX_GOLDEN_BYTES, GoldenError)
+    except GoldenError as e:  # its message names the path as given; show it as every golden message does
+        raise GoldenError(str(e).replace(str(path), shown, 1)) from e.__cause__
+    return parse_json(shown, data, GoldenError)
 
 
 def validate_golden(g: object, path: Path | str = "<golden>") -> dict:
@@ -119,6 +160,8 @@ def validate_golden(g: object, path: Path | str = "<golden>") -> dict:
     The check is strict because a golden is trusted: an id stored as a string or a bool would compare unequal
     token by token yet give the same md5, so a malformed golden could make the gate's table and verdict disagree.
     """
+    path = shown_path(path)
+
     def bad(where: str, want: str, got) -> GoldenError:
         shown = json.dumps(got)[:60] if not isinstance(got, (dict, list)) else type(got).__name__
         return GoldenError(f"golden {path}: {where} must be {want}, got {shown}")
@@ -196,19 +239,75 @@ def load_golden(path: str | Path) -> dict:
     return validate_golden(_read_json(path), path)
 
 
+def golden_label(g: dict) -> str | None:
+    """The name of the model a golden was made for (a preset, `tiny-seed3`, a checkpoint directory's name)."""
+    label = g.get("label")
+    return label if isinstance(label, str) and label else None
+
+
+def _prompt_source_parts(source: str) -> dict[str, str | None]:
+    """A battery's source (`gates.prompts.Battery.source`: 'synthetic-bytes' or 'tiktoken:<path>', with
+    '; prompts:<path>') as {kind: path shown relative to the checkout}, so that two spellings of one file agree."""
+    parts = {}
+    for part in source.split("; "):
+        kind, sep, path = part.partition(":")
+        parts[kind] = shown_path(path) if sep and path else None
+    return parts
+
+
+def _shown_source(parts: dict[str, str | None]) -> str:
+    """A source as `_prompt_source_parts` parsed it, written back: its files shown relative to the checkout."""
+    return "; ".join(kind if file is None else f"{kind}:{file}" for kind, file in parts.items())
+
+
+def _prompt_source_change(golden: dict[str, str | None], run: dict[str, str | None]) -> str:
+    """What differs between the golden's prompt source and this run's, in words."""
+    lacks, golden_lacks, other = [], [], []
+    for kind, file in (("tiktoken", "tiktoken.model"), ("prompts", "prompts.json")):
+        if kind in golden and kind not in run:
+            lacks.append(file)
+        elif kind in run and kind not in golden:
+            golden_lacks.append(file)
+        elif golden.get(kind) != run.get(kind):
+            other.append(file)
+    said = ([f"this run has no {' and no '.join(lacks)}"] if lacks else []) + (
+        [f"the golden was made without {' or '.join(golden_lacks)}"] if golden_lacks else []) + (
+        [f"another {' and '.join(other)}"] if other else [])
+    return "; ".join(said) or "another battery"
+
+
 def check_golden(g: dict, path: Path, weights: str | None, prompt_ids: list[list[int]] | None,
-                 new_tokens: int | None) -> None:
-    """Refuse a golden made for other weights, other prompts, or another number of new tokens."""
+                 new_tokens: int | None, *, label: str | None = None, prompt_source: str | None = None) -> None:
+    """Refuse a golden made for other weights, other prompts, or another number of new tokens. `label` and
+    `prompt_source` (this run's model name and `Battery.source`) let the refusal name the likely cause: where the
+    prompt ids differ, a golden made for another model, then one whose prompts came from other files, and only
+    otherwise a stale golden."""
+    shown, made_for = shown_path(path), golden_label(g)
     if weights is not None and g["weights"] != weights:
-        raise GoldenError(f"golden {path} was made from weights {g['weights']}, the model under test has {weights}")
+        of = f" ({made_for})" if made_for else ""
+        under_test = f" ({label})" if label else ""
+        raise GoldenError(f"golden {shown} is for another model: it was made from weights {g['weights']}{of}, the "
+                          f"model under test{under_test} has {weights}")
     golden_ids = [p["ids"] for p in g["prompts"]]
     if prompt_ids is not None and golden_ids != prompt_ids:
         bad = next(i for i in range(max(len(golden_ids), len(prompt_ids)))
                    if i >= len(golden_ids) or i >= len(prompt_ids) or golden_ids[i] != prompt_ids[i])
-        raise GoldenError(f"golden {path}: prompt {bad}'s ids differ from this battery's "
-                          f"({len(golden_ids)} golden prompts, {len(prompt_ids)} in the battery); the golden is stale")
+        differ = (f"prompt {bad}'s ids differ from this battery's ({len(golden_ids)} golden prompts, "
+                  f"{len(prompt_ids)} in the battery)")
+        if made_for and label and made_for != label:
+            raise GoldenError(f"golden {shown} is for another model: made for {made_for} (weights {g['weights']}), "
+                              f"this run gates {label}, and {differ}")
+        source, same = g.get("prompt_ids_source"), ""
+        if isinstance(source, str) and prompt_source is not None:
+            theirs, ours = _prompt_source_parts(source), _prompt_source_parts(prompt_source)
+            if theirs != ours:
+                raise GoldenError(f"golden {shown}: {differ}: its prompts came from {_shown_source(theirs)}, this "
+                                  f"run's from {_shown_source(ours)} ({_prompt_source_change(theirs, ours)})")
+            same = ", from the same prompt files"
+        raise GoldenError(f"golden {shown}: {differ}{same}; the golden is stale (the battery or tokenizer changed "
+                          f"since it was made)")
     if new_tokens is not None and g["new_tokens"] != new_tokens:
-        raise GoldenError(f"golden {path} holds {g['new_tokens']} new tokens per prompt, --new-tokens is {new_tokens}")
+        raise GoldenError(f"golden {shown} holds {g['new_tokens']} new tokens per prompt, --new-tokens is {new_tokens}")
 
 
 def expected_generations(g: dict) -> list[Generation]:
@@ -304,7 +403,7 @@ def check_golden_writable(path: str | Path) -> Path:
     path = Path(path)
     try:
         if path.exists() or path.is_symlink():
-            raise GoldenError(f"{path} exists; delete it first to replace it, or pass --golden NEWPATH")
+            raise GoldenError(f"{shown_path(path)} exists; delete it first to replace it, or pass --golden NEWPATH")
         if len(path.name.encode()) > 255:
             raise GoldenError(f"--golden {path.name[:40]}...: a file name of {len(path.name.encode())} bytes, "
                               f"past the 255 a file system takes")
@@ -331,7 +430,8 @@ def write_golden(g: dict, path: str | Path) -> Path:
         with open(path, "x") as f:      # "x": never replaces a file that appeared meanwhile
             f.write(text + "\n")
     except FileExistsError:
-        raise GoldenError(f"{path} exists; delete it first to replace it, or pass --golden NEWPATH") from None
+        exists = f"{shown_path(path)} exists; delete it first to replace it, or pass --golden NEWPATH"
+        raise GoldenError(exists) from None
     except OSError as e:
         with contextlib.suppress(OSError):
             path.unlink()       # a partial file (a full disk) is not a golden

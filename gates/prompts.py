@@ -15,7 +15,8 @@ Text becomes ids one of two ways:
   that is no usable file is refused by name rather than passed over;
 - otherwise (synthetic presets, or a checkpoint written without a tokenizer): `synthetic_ids`, a fixed
   byte mapping, BOS first. Synthetic weights have no vocabulary to respect, so the mapping only has to be
-  deterministic, stay inside the ordinary ids and spread the prompt over the embedding table.
+  deterministic, stay inside the ordinary ids and spread the prompt over the embedding table. The gates say so
+  for a checkpoint, and refuse one whose prompts.json has no tokenizer beside it (`gates.run.prompt_note`).
 """
 from __future__ import annotations
 

@@ -40,8 +40,10 @@ import torch
 import torch.distributed as dist
 
 from model.build import Loaded as Subject, is_small, load_model
+from model.checkpoint import PROMPTS_FILE
 from model.config import KimiConfig, get_config
 from model.parallel import ExpertParallel
+from model.tokenizer import TOKENIZER_FILE
 from records import store
 
 from .memory import (FloorDecision, FloorSampler, GiB, MemoryFloorError, MemReading, Projection, check_floor,
@@ -260,7 +262,20 @@ def load_subject(opts: Options) -> Subject:
                       dtype=opts.torch_dtype, seed=opts.seed, expert_dtype=opts.torch_expert_dtype, ep=ep)
 
 
+def prompt_note(opts: Options) -> str | None:
+    """For a checkpoint folder without a tiktoken.model, a note that its prompts are the synthetic-byte battery;
+    ValueError where it carries text prompts (prompts.json) that no tokenizer can turn into its ids."""
+    if opts.model is None or os.path.lexists(Path(opts.model) / TOKENIZER_FILE):
+        return None
+    shown = store.shown_path(opts.model)
+    if os.path.lexists(Path(opts.model) / PROMPTS_FILE):
+        raise ValueError(f"--model {shown}: its {PROMPTS_FILE} holds text prompts, which cannot be tokenised without "
+                         f"{TOKENIZER_FILE}; add the checkpoint's {TOKENIZER_FILE} to the folder")
+    return f"note: {shown} has no {TOKENIZER_FILE}, so the prompts are the synthetic-byte battery"
+
+
 def battery_for(opts: Options) -> Battery:
+    prompt_note(opts)   # a checkpoint's text prompts without its tokenizer are refused, not mapped to bytes
     return battery(opts.config, opts.model)
 
 
@@ -388,6 +403,12 @@ def record(kind: str, opts: Options, weights: str | None, params: dict, results:
     return store.append(rec, root=records_root)
 
 
+def shown_record(path: Path | None) -> str | None:
+    """A records file as the gates print it: relative to the checkout where it lies inside it (`store.shown_path`);
+    None on the ranks that keep no record."""
+    return None if path is None else store.shown_path(path)
+
+
 def to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
@@ -397,6 +418,7 @@ def refused(kind: str, opts: Options, why: str, weights=None, records_root=None,
     line goes to stderr, as every exit-2 reason does."""
     path = record(kind, opts, weights, {}, {"passed": False, "refused": why}, reasons=[f"refused: {why}"],
                   valid=False, records_root=records_root)
-    (to_stderr if log is print else log)(f"{kind.replace('_', ' ').title()} REFUSED: {why} [record {path}]")
+    say = to_stderr if log is print else log
+    say(f"{kind.replace('_', ' ').title()} REFUSED: {why} [record {shown_record(path)}]")
     return EXIT_REFUSED
 
