@@ -34,7 +34,6 @@ import argparse
 import re
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from scipy.stats import mannwhitneyu

@@ -1,5 +1,4 @@
 import json, os
-from pathlib import Path
 import pytest
 from gates.prompts import PROMPTS, PromptsError, battery, read_prompts
 from model.train import PYTHON_PROMPTS
