@@ -23,6 +23,7 @@ def fake_graph_ms(calls):
 
 # ---- kda_decode_step: the sweep ------------------------------------------------------------------
 
+@pytest.mark.slow  # every config of the sweep through the interpreter: tens of seconds
 def test_decode_sweep_plumbing(records_dir, monkeypatch):
     """`--ops kda_decode_step --decode-sweep` on the CPU through the interpreter, small shapes, a fake clock:
     every config of DECODE_SWEEP (each grid) runs, matches the default config's output and is recorded VALID
@@ -62,6 +63,7 @@ def test_decode_sweep_flags_a_config_that_computes_something_else(records_dir, m
 
 # ---- chunk_kda and causal_conv1d: the sweeps ------------------------------------------------------
 
+@pytest.mark.slow  # every config of the sweep through the interpreter: tens of seconds
 def test_chunk_sweep_plumbing_and_its_check(records_dir, monkeypatch):
     """`--ops chunk_kda --chunk-sweep` on the CPU through the interpreter, small shapes, a fake clock: every
     config runs, matches the default's output and is recorded VALID with its whole config; and the check can
