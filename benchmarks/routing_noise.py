@@ -47,10 +47,17 @@ class RoutingTap:
         self.handles = [m.register_forward_hook(self._hook(name)) for name, m in model.named_modules()
                         if isinstance(m, Router)]
 
-    def start(self, mode: str | None) -> None:
-        self.mode, self.calls = mode, {}
+    def start(self, mode: str | None, chosen: dict | None = None) -> None:
+        """Begin a forward in `mode`; `chosen`: the recorded choices to compare with or pin to (another tap's)."""
+        self.mode, self.calls, self.rows, self.flips = mode, {}, 0, 0
         if mode == "record":
             self.chosen = {}
+        elif chosen is not None:
+            self.chosen = chosen
+
+    def stop(self) -> None:
+        """Let the router calls that follow pass untouched; the counts of the last forward stay."""
+        self.mode = None
 
     def close(self) -> None:
         for h in self.handles:
@@ -100,13 +107,12 @@ def measure(wide, narrow, ids: list[int], new_tokens: int, tap_wide: RoutingTap,
     with torch.no_grad():
         tap_wide.start("record")
         ref = wide.forward(seq)[0, steps].float()
-        tap_wide.start(None)
+        tap_wide.stop()
         out = {}
         for mode in ("free", "pin"):
-            tap_narrow.chosen, tap_narrow.rows, tap_narrow.flips = tap_wide.chosen, 0, 0
-            tap_narrow.start(mode)
+            tap_narrow.start(mode, tap_wide.chosen)
             logits = narrow.forward(seq)[0, steps].float()
-            tap_narrow.start(None)
+            tap_narrow.stop()
             out[mode] = dict(max_abs_logit_diff=float((logits - ref).abs().max()),
                              max_margin_change=float(margin_change(logits, ref).max()),
                              agree=int((logits.argmax(-1) == ref.argmax(-1)).sum()),

@@ -146,12 +146,7 @@ def _read_json(path: Path) -> object:
     """The file's JSON value, read and parsed as strictly as a checkpoint's config (`model.config.read_file` and
     `parse_json`: a regular file under the size cap, UTF-8, no NaN, no repeated key, no runaway nesting or
     integer), or GoldenError naming the file."""
-    shown = shown_path(path)
-    try:
-        data = read_file(path, MAX_GOLDEN_BYTES, GoldenError)
-    except GoldenError as e:  # its message names the path as given; show it as every golden message does
-        raise GoldenError(str(e).replace(str(path), shown, 1)) from e.__cause__
-    return parse_json(shown, data, GoldenError)
+    return parse_json(shown_path(path), read_file(path, MAX_GOLDEN_BYTES, GoldenError), GoldenError)
 
 
 def validate_golden(g: object, path: Path | str = "<golden>") -> dict:
