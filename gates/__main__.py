@@ -27,7 +27,8 @@ from model.checkpoint import check_checkpoint
 from model.config import PRESETS
 from records import store
 
-from .golden import GOLDEN_DIR, check_golden_file, check_golden_writable, golden_name, make_golden, write_golden
+from .golden import (GOLDEN_DIR, GoldenError, check_golden_file, check_golden_writable, find_golden, golden_name,
+                     make_golden, write_golden)
 from .memory import MemoryFloorError
 from .prompts import DEFAULT_NEW_TOKENS
 from .ranks import DEFAULT_RANK_TIMEOUT_S, RankFailed, check_rank_timeout, first_line, run_ranks
@@ -104,10 +105,23 @@ def golden_command(opts: Options) -> int:
             check_checkpoint(opts.model)   # held to our loader's checks all the same (HF's let more through)
             check_no_outside_links(opts.model)
         g = make_golden(opts, None if hf_alone else load_subject(opts))
+    shadowed = None if opts.golden else found_golden(opts)
     out = write_golden(g, path)
     print(f"golden {store.shown_path(out)}: {len(g['prompts'])} prompts x {g['new_tokens']} tokens, md5 {g['md5']}, "
           f"{g['provenance']['implementation']} {g['dtype']} {g['device']}, weights {g['weights']}")
+    if shadowed is not None and found_golden(opts) == out:
+        print(f"note: Gate B on {opts.label} {opts.dtype} {opts.device} now reads this golden in place of "
+              f"{store.shown_path(shadowed)}, which it read before (lookup order: gates/golden.py); delete "
+              f"{store.shown_path(out)} to go back")
     return EXIT_PASS
+
+
+def found_golden(opts: Options) -> Path | None:
+    """The golden Gate B's lookup finds for `opts` (with no --golden) now, or None."""
+    try:
+        return find_golden(opts, GOLDEN_DIR)
+    except GoldenError:
+        return None
 
 
 # The commands whose CUDA default is fp32 with bf16 experts (`gates.run.resolve`'s `exact`): the token-exact gates.

@@ -15,7 +15,7 @@ from gates import golden as golden_mod
 from gates.compare import GateResult, compare_prompt, near_tie_eps
 from gates.gate_b import run_gate_b
 from gates.golden import GOLDEN_DIR, GoldenError, expected_generations, ids_md5, load_golden
-from gates.run import DTYPES, EXIT_REFUSED, MAX_NEW_TOKENS, resolve
+from gates.run import DTYPES, EXIT_PASS, EXIT_REFUSED, MAX_NEW_TOKENS, resolve
 from model.generate import Generation
 from records import store
 
@@ -342,3 +342,16 @@ def test_an_hf_golden_refuses_a_checkpoint_link_out_of_the_folder(tmp_path, monk
     code, out, err = run_cli(["golden", "--device", "cpu", "--model", str(ckpt), "--golden", str(tmp_path / "g.json")],
                              monkeypatch, capsys, tmp_path)
     assert code == EXIT_REFUSED and "generation_config.json: a link out of the checkpoint folder" in err
+
+
+def test_a_new_golden_that_gate_b_would_read_first_says_which_one_it_displaces(tmp_path, monkeypatch, capsys):
+    goldens = tmp_path / "goldens"
+    goldens.mkdir()
+    monkeypatch.setattr(cli, "GOLDEN_DIR", goldens)
+    argv = ["golden", "--preset", "tiny", "--device", "cpu", "--source", "self", "--new-tokens", "2"]
+    code, out, _ = run_cli(argv, monkeypatch, capsys, tmp_path)   # nothing to displace: no note
+    assert code == EXIT_PASS and (goldens / "tiny-fp32-cpu-self.json").is_file() and "note:" not in out
+    (goldens / "tiny-fp32-cpu-self.json").rename(goldens / "tiny-fp64-cpu-hf.json")
+    code, out, _ = run_cli(argv, monkeypatch, capsys, tmp_path)
+    assert code == EXIT_PASS and "note: Gate B on tiny fp32 cpu now reads this golden in place of" in out
+    assert "tiny-fp64-cpu-hf.json" in out
