@@ -16,7 +16,8 @@ Text becomes ids one of two ways:
 - otherwise (synthetic presets, or a checkpoint written without a tokenizer): `synthetic_ids`, a fixed
   byte mapping, BOS first. Synthetic weights have no vocabulary to respect, so the mapping only has to be
   deterministic, stay inside the ordinary ids and spread the prompt over the embedding table. The gates say so
-  for a checkpoint, and refuse one whose prompts.json has no tokenizer beside it (`gates.run.prompt_note`).
+  for a checkpoint (`gates.run.prompt_note`), and refuse one whose prompts.json has no tokenizer beside it
+  (`check_prompt_files`): its texts as synthetic bytes are not what the model was trained to read.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from model.checkpoint import PROMPTS_FILE
 from model.config import KimiConfig, parse_json, read_file
 from model.tokenizer import TOKENIZER_FILE, KimiTokenizer
+from records.store import shown_path
 
 PROMPTS: tuple[str, ...] = (
     # code
@@ -54,6 +56,16 @@ MAX_BATTERY, MAX_PROMPT_CHARS = 64, 4096
 
 class PromptsError(ValueError):
     """A checkpoint's prompts.json that is no usable battery; the message names the file and the fault."""
+
+
+def check_prompt_files(model_dir: str | Path) -> None:
+    """PromptsError for a checkpoint folder whose prompts.json has no tiktoken.model beside it (either in any form
+    counts as present, as the readers take them). The gates' policy (`gates.run.battery_for`); `battery` itself
+    maps such texts to synthetic bytes."""
+    folder = Path(model_dir)
+    if os.path.lexists(folder / PROMPTS_FILE) and not os.path.lexists(folder / TOKENIZER_FILE):
+        raise PromptsError(f"{shown_path(folder)}: its {PROMPTS_FILE} holds text prompts, which cannot be tokenised "
+                           f"without {TOKENIZER_FILE}; add the checkpoint's {TOKENIZER_FILE} to the folder")
 
 
 def read_prompts(model_dir: str | Path) -> tuple[str, ...] | None:

@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from model.build import Loaded as Subject, is_small, load_model
-from model.checkpoint import PROMPTS_FILE
 from model.config import KimiConfig, get_config
 from model.parallel import ExpertParallel
 from model.tokenizer import TOKENIZER_FILE
@@ -49,7 +48,7 @@ from records import store
 from .memory import (FloorDecision, FloorSampler, GiB, MemoryFloorError, MemReading, Projection, check_floor,
                      check_world, choose_world, gpu_links, nvml_index, project_peak, read_device_memory,
                      visible_gpu_memory)
-from .prompts import DEFAULT_NEW_TOKENS, Battery, battery
+from .prompts import DEFAULT_NEW_TOKENS, Battery, battery, check_prompt_files
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 DEVICES = ("cpu", "cuda")
@@ -263,19 +262,20 @@ def load_subject(opts: Options) -> Subject:
 
 
 def prompt_note(opts: Options) -> str | None:
-    """For a checkpoint folder without a tiktoken.model, a note that its prompts are the synthetic-byte battery;
-    ValueError where it carries text prompts (prompts.json) that no tokenizer can turn into its ids."""
-    if opts.model is None or os.path.lexists(Path(opts.model) / TOKENIZER_FILE):
+    """For a checkpoint folder without a tiktoken.model, a note that its prompts are the synthetic-byte battery.
+    Checks the prompt files first (`check_prompt_files`), so that the command line refuses before any record."""
+    if opts.model is None:
         return None
-    shown = store.shown_path(opts.model)
-    if os.path.lexists(Path(opts.model) / PROMPTS_FILE):
-        raise ValueError(f"--model {shown}: its {PROMPTS_FILE} holds text prompts, which cannot be tokenised without "
-                         f"{TOKENIZER_FILE}; add the checkpoint's {TOKENIZER_FILE} to the folder")
-    return f"note: {shown} has no {TOKENIZER_FILE}, so the prompts are the synthetic-byte battery"
+    check_prompt_files(opts.model)
+    if os.path.lexists(Path(opts.model) / TOKENIZER_FILE):
+        return None
+    return f"note: {store.shown_path(opts.model)} has no {TOKENIZER_FILE}, so the prompts are the synthetic-byte battery"
 
 
 def battery_for(opts: Options) -> Battery:
-    prompt_note(opts)   # a checkpoint's text prompts without its tokenizer are refused, not mapped to bytes
+    """The gates' battery: a checkpoint's text prompts without its tokenizer are refused, not mapped to bytes."""
+    if opts.model is not None:
+        check_prompt_files(opts.model)
     return battery(opts.config, opts.model)
 
 

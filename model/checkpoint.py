@@ -285,7 +285,7 @@ def _check_shards(path: Path, by_shard: dict[str, list[str]], slots: dict[str, S
     Reads headers only, so a bad checkpoint fails before any weight is loaded."""
     absent = [s for s in by_shard if not os.path.lexists(path / s)]
     if absent:
-        # A few names, not all: the 48B model's shards hold ~1,000 tensors each, and the message is one stderr line.
+        # A few names, not all: a large model's shard holds hundreds of tensors, and the message is one stderr line.
         shown = [f"{_name(s)} (should hold {_count(len(by_shard[s]), 'tensor')}"
                  + (f": {_listing(by_shard[s], 2, bracket=False)})" if k == 0 else ")")
                  for k, s in enumerate(absent[:3])]
@@ -401,10 +401,7 @@ def _headers(path: Path) -> tuple[KimiConfig, tuple, dict[str, str], dict[str, l
     slots = shapes[0]
     weight_map = _weight_map(path)
     _check_listed(path, weight_map, slots)
-    by_shard: dict[str, list[str]] = {}
-    for n in slots:
-        by_shard.setdefault(weight_map[n], []).append(n)
-    by_shard = dict(sorted(by_shard.items()))
+    by_shard = _by_shard((n, weight_map[n]) for n in slots)
     _check_shards(path, by_shard, slots, indexed=not os.path.lexists(path / SINGLE_FILE))
     return cfg, shapes, weight_map, by_shard
 

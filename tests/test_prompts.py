@@ -35,3 +35,13 @@ def test_a_battery_link_out_of_the_folder_is_refused(tmp_path):
     with pytest.raises(PromptsError):
         read_prompts(folder)
     assert read_prompts(tmp_path / "nothing-here") is None
+
+
+def test_text_prompts_without_a_tokenizer_are_refused_by_the_gates_check(tmp_path):
+    from gates.prompts import check_prompt_files
+    check_prompt_files(tmp_path)   # no prompts.json: nothing to refuse
+    (tmp_path / "prompts.json").write_text(json.dumps({"prompts": ["a"]}))
+    with pytest.raises(PromptsError, match="cannot be tokenised without tiktoken.model"):
+        check_prompt_files(tmp_path)
+    (tmp_path / "tiktoken.model").write_text("")   # present in any form: the tokenizer's reader judges it
+    check_prompt_files(tmp_path)
