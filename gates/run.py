@@ -269,7 +269,8 @@ def prompt_note(opts: Options) -> str | None:
     check_prompt_files(opts.model)
     if os.path.lexists(Path(opts.model) / TOKENIZER_FILE):
         return None
-    return f"note: {store.shown_path(opts.model)} has no {TOKENIZER_FILE}, so the prompts are the synthetic-byte battery"
+    shown = store.shown_path(opts.model)
+    return f"note: {shown} has no {TOKENIZER_FILE}, so the prompts are the synthetic-byte battery"
 
 
 def battery_for(opts: Options) -> Battery:
